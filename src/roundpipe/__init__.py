@@ -1,0 +1,1 @@
+"""RoundPipe: train models larger than device memory by streaming layers round-robin to devices."""
