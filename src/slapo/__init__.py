@@ -1,3 +1,55 @@
-"""Slapo: a schedule language for training large PyTorch models."""
+"""Slapo: a schedule language for training large PyTorch models fast, from the outside.
+
+Example:
+    >>> import slapo, torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+    >>> sch = slapo.create_schedule(model)
+    >>> sch["0"].checkpoint()
+    >>> model, optimizer = slapo.build(sch, optimizer=torch.optim.AdamW)
+"""
+
+from dataclasses import dataclass, field  # noqa: F401  (re-exported by the reference API)
+from functools import partial  # noqa: F401
+
+from . import primitives  # noqa: F401  (registers the built-in primitives)
+from .build import build
+from .exceptions import (
+    PrimitiveError,
+    PrimitiveTypeError,
+    SchedulePathError,
+    SlapoError,
+    TargetError,
+)
+from .initialization import init_empty_weights
+from .logger import get_logger
+from .primitives import Primitive, list_primitives, register_primitive
+from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
+from .schedule import PrimitiveRecord, Schedule, ScheduleMetadata, create_schedule, is_module_list
+from .targets import get_dialect_cls, init_target_engine
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "PrimitiveError",
+    "PrimitiveTypeError",
+    "SchedulePathError",
+    "SlapoError",
+    "TargetError",
+    "Primitive",
+    "PrimitiveRecord",
+    "Schedule",
+    "ScheduleMetadata",
+    "build",
+    "checkpoint",
+    "create_schedule",
+    "get_cuda_rng_tracker",
+    "get_dialect_cls",
+    "get_logger",
+    "init_empty_weights",
+    "init_target_engine",
+    "is_module_list",
+    "is_random_seed_set",
+    "list_primitives",
+    "register_primitive",
+    "set_random_seed",
+]

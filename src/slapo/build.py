@@ -1,0 +1,55 @@
+"""``slapo.build``: turn a schedule into a model (and optimizer) that trains on a target."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .exceptions import SlapoError
+from .initialization import has_meta_tensors, materialize_module
+from .logger import get_logger
+from .schedule import Schedule
+from .targets import init_target_engine
+
+__all__ = ["build"]
+
+
+def build(
+    sch: Schedule,
+    target: str | None = None,
+    init_weights: bool | Callable[[nn.Module], None] = True,
+    **kwargs: Any,
+) -> tuple[Any, Any]:
+    """Build the scheduled model for ``target``; returns ``(model, optimizer)``.
+
+    Args:
+        sch: the root schedule.
+        target: ``None``/``"eager"`` for single-process training; other targets (``"ddp"``,
+            ``"fsdp"``, ``"pipeline"``, ``"roundpipe"``, ``"deepspeed"``) as installed:
+            ``slapo.targets.list_targets()``.
+        init_weights: for a model created under ``init_empty_weights``: ``True`` materializes it
+            with the model's own initialization, a callable ``fn(module)`` initializes each
+            materialized module instead, ``False`` leaves it on the meta device (e.g. for
+            ``consolidate_model``). A model with real weights is never re-initialized.
+        **kwargs: options of the target, e.g. ``device=``, ``optimizer=torch.optim.AdamW``,
+            ``optimizer_kwargs={"lr": 1e-3}``.
+
+    Example:
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
+        >>> model, optimizer = slapo.build(sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
+    """
+    if not isinstance(sch, Schedule):
+        raise SlapoError(
+            f"build needs a Schedule (slapo.create_schedule(model)), got {type(sch).__name__}"
+        )
+    if sch.parent is not None:
+        raise SlapoError(
+            f'build needs the root schedule, got the child "{sch.path}"; pass the root'
+        )
+    if init_weights and has_meta_tensors(sch.mod):
+        init_fn = init_weights if callable(init_weights) else None
+        materialized = materialize_module(sch.mod, init_fn=init_fn)
+        get_logger().debug("materialized %d modules from the meta device", len(materialized))
+    return init_target_engine(sch, target, **kwargs)

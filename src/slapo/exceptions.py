@@ -1,0 +1,38 @@
+"""Typed errors: every failure a user can cause names the schedule path and how to fix it."""
+
+from __future__ import annotations
+
+__all__ = [
+    "SlapoError",
+    "SchedulePathError",
+    "PrimitiveError",
+    "PrimitiveTypeError",
+    "TargetError",
+]
+
+
+class SlapoError(Exception):
+    """Base class of every error Slapo raises on bad input."""
+
+
+class SchedulePathError(SlapoError, KeyError):
+    """A schedule path (``sch["a.b.c"]``) that names no submodule.
+
+    It is also a ``KeyError``, so ``except KeyError`` keeps working for code that treats a schedule
+    like a mapping.
+    """
+
+    def __str__(self) -> str:  # KeyError would quote the message; show it as written
+        return str(self.args[0]) if self.args else ""
+
+
+class PrimitiveError(SlapoError, ValueError):
+    """A primitive applied with wrong arguments, or where it cannot apply (e.g. twice)."""
+
+
+class PrimitiveTypeError(SlapoError, TypeError):
+    """A primitive given an argument of the wrong type (e.g. ``replace`` with a non-module)."""
+
+
+class TargetError(SlapoError, ValueError):
+    """An unknown build target or a bad option for one."""

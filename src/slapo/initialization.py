@@ -1,0 +1,167 @@
+"""Meta-device models: create without memory, materialize with the model's own initialization."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["init_empty_weights", "has_meta_tensors", "materialize_module"]
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+@contextlib.contextmanager
+def init_empty_weights(enable: bool = True, include_buffers: bool = False) -> Iterator[None]:
+    """Create models with every parameter on the meta device: no memory, no initialization cost.
+
+    Useful when building the full model would not fit in RAM: schedule it first, shard it, then let
+    ``slapo.build`` (or ``consolidate_model``) materialize only what this rank holds.
+
+    Args:
+        enable: whether the context manager does anything (handy for a command-line switch).
+        include_buffers: also put buffers on the meta device. Buffers are small and some are
+            computed at construction (rotary ``inv_freq``), so they stay real by default; meta
+            buffers are zero-filled on materialization and then refilled by the model's init.
+
+    Example:
+        >>> with init_empty_weights():
+        ...     layer = nn.Linear(4096, 4096)
+        >>> layer.weight.device.type
+        'meta'
+    """
+    if not enable:
+        yield
+        return
+    original_param = nn.Module.register_parameter
+    original_buffer = nn.Module.register_buffer
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original_param(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    def register_buffer(module: nn.Module, name: str, tensor: Any, persistent: bool = True) -> None:
+        original_buffer(module, name, tensor, persistent=persistent)
+        if tensor is not None:
+            module._buffers[name] = module._buffers[name].to("meta")
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    if include_buffers:
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original_param  # type: ignore[method-assign]
+        nn.Module.register_buffer = original_buffer  # type: ignore[method-assign]
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``module`` is on the meta device."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(t.is_meta for t in tensors)
+
+
+def materialize_module(
+    model: nn.Module,
+    init_fn: ParamInitFn | None = None,
+    device: torch.device | str = "cpu",
+) -> list[nn.Module]:
+    """Give every meta parameter and buffer real storage on ``device`` and initialize it.
+
+    Tied parameters stay tied (one new tensor per meta tensor), and attributes set on a parameter
+    (``annotate`` tags) are kept. Initialization, for the modules that had meta tensors only:
+
+    * ``init_fn(module)`` for each such module when given;
+    * otherwise the Hugging Face model's own ``init_weights`` (which also recomputes rotary
+      ``inv_freq`` buffers and re-ties weights), or ``reset_parameters()`` of plain modules.
+
+    Returns the modules that were materialized.
+
+    Example:
+        >>> with init_empty_weights():
+        ...     layer = nn.Linear(4, 4)
+        >>> _ = materialize_module(layer)
+        >>> layer.weight.device.type
+        'cpu'
+    """
+    memo: dict[int, torch.Tensor] = {}
+    touched: list[nn.Module] = []
+    for module in model.modules():
+        changed = False
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in memo:
+                new = type(param)(
+                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                )
+                new.__dict__.update(param.__dict__)
+                new.__dict__.pop("_is_hf_initialized", None)
+                memo[id(param)] = new
+            module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
+            changed = True
+        for name, buf in list(module._buffers.items()):
+            if buf is None or not buf.is_meta:
+                continue
+            if id(buf) not in memo:
+                memo[id(buf)] = torch.zeros_like(buf, device=device)
+            module._buffers[name] = memo[id(buf)]
+            changed = True
+        if changed:
+            touched.append(module)
+    if not touched:
+        return touched
+
+    if init_fn is not None:
+        with torch.no_grad():
+            for module in touched:
+                init_fn(module)
+        return touched
+    _default_init(model, touched)
+    return touched
+
+
+def _default_init(model: nn.Module, touched: list[nn.Module]) -> None:
+    touched_ids = {id(m) for m in touched}
+    hf_roots = _outermost_hf_models(model)
+    covered: set[int] = set()
+    for hf_model in hf_roots:
+        # transformers marks modules it initialized; clear the marks where storage is new so its
+        # init_weights (which skips marked modules) initializes exactly those.
+        for module in hf_model.modules():
+            covered.add(id(module))
+            if id(module) in touched_ids:
+                module.__dict__.pop("_is_hf_initialized", None)
+            else:
+                module._is_hf_initialized = True
+        hf_model.init_weights()
+        for module in hf_model.modules():
+            module.__dict__.pop("_is_hf_initialized", None)
+    with torch.no_grad():
+        for module in touched:
+            if id(module) not in covered and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+
+def _outermost_hf_models(model: nn.Module) -> list[nn.Module]:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, PreTrainedModel):
+            found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found

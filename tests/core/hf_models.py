@@ -1,0 +1,147 @@
+"""Small real transformers models with random weights, and the equivalence oracle for tests."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+import transformers
+from torch import nn
+
+VOCAB = 96
+SEQ = 12
+BATCH = 2
+
+
+def gpt2(dropout: float = 0.1) -> nn.Module:
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def llama(dropout: float = 0.1, layers: int = 2) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        attention_dropout=dropout,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def bert(dropout: float = 0.1) -> nn.Module:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    return transformers.BertForMaskedLM(cfg)
+
+
+def opt(dropout: float = 0.1) -> nn.Module:
+    cfg = transformers.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        ffn_dim=64,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+        word_embed_proj_dim=32,
+        dropout=dropout,
+        attention_dropout=dropout,
+    )
+    return transformers.OPTForCausalLM(cfg)
+
+
+def t5(dropout: float = 0.1) -> nn.Module:
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=dropout,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+FAMILIES: dict[str, Callable[..., nn.Module]] = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "bert": bert,
+    "opt": opt,
+    "t5": t5,
+}
+
+# Where each family keeps its list of blocks.
+LAYERS = {
+    "gpt2": "transformer.h",
+    "llama": "model.layers",
+    "bert": "bert.encoder.layer",
+    "opt": "model.decoder.layers",
+    "t5": "encoder.block",
+}
+
+
+def batch(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def make(family: str, seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    model = FAMILIES[family](**kwargs)
+    model.train()
+    return model
+
+
+def run(
+    model: nn.Module, data: dict[str, torch.Tensor], seed: int = 1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and every parameter's gradient of one training step, with a fixed RNG seed."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    loss = model(**data).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_same_step(ref: nn.Module, test: nn.Module, data=None, exact: bool = True) -> None:
+    """The equivalence oracle: same loss and the same gradient for every parameter."""
+    data = data if data is not None else batch()
+    loss_ref, grads_ref = run(ref, data)
+    loss_test, grads_test = run(test, data)
+    assert set(grads_ref) == set(grads_test), set(grads_ref) ^ set(grads_test)
+    check = torch.testing.assert_close
+    kw = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+    check(loss_test, loss_ref, **kw)
+    for name, grad in grads_ref.items():
+        check(grads_test[name], grad, **kw, msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
