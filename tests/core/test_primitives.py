@@ -228,3 +228,22 @@ def test_bad_input_errors_name_the_path():
         slapo.build(sch, target="no_such_target")
     # A failing primitive leaves no record behind.
     assert [r.name for r in sch.metadata.primitives] == ["checkpoint", "fork_rng"]
+
+
+def test_a_hugging_face_checkpoint_loads_into_the_scheduled_model(tmp_path):
+    source = make("llama", seed=5)
+    source.save_pretrained(tmp_path)
+    model = make("llama", seed=6)
+    sch = slapo.create_schedule(model)
+    for path in layer_paths(sch, "llama"):
+        sch[path].checkpoint()
+        sch[path].fork_rng()
+    built, _ = slapo.build(sch, init_weights=False)
+    import safetensors.torch
+
+    missing, unexpected = built.load_state_dict(
+        safetensors.torch.load_file(tmp_path / "model.safetensors"), strict=False
+    )
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    for name, tensor in source.state_dict().items():
+        assert torch.equal(built.state_dict()[name], tensor), name
