@@ -26,6 +26,8 @@ from .primitives import Primitive, list_primitives, register_primitive
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .schedule import PrimitiveRecord, Schedule, ScheduleMetadata, create_schedule, is_module_list
 from .targets import get_dialect_cls, init_target_engine
+from .tune import Database, Space, Symbol
+from .verify import VerificationError, Verify
 
 __version__ = "0.1.0"
 
@@ -35,6 +37,11 @@ __all__ = [
     "SchedulePathError",
     "SlapoError",
     "TargetError",
+    "VerificationError",
+    "Verify",
+    "Database",
+    "Space",
+    "Symbol",
     "Primitive",
     "PrimitiveRecord",
     "Schedule",

@@ -182,6 +182,11 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--output-dir", default=None, help="write metrics.json there")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help='end with one JSON line {"throughput": tokens/s, ...} (what `slapo tune` reads)',
+    )
     p.set_defaults(func=_run)
 
 
@@ -204,5 +209,9 @@ def _run(args: argparse.Namespace) -> int:
         output_dir=args.output_dir,
         progress=not args.no_progress,
     )
-    print(format_summary(train(cfg)))
+    summary = train(cfg)
+    print(format_summary(summary))
+    if args.json:
+        result = {k: summary[k] for k in ("final_loss", "peak_memory_mb", "tokens_per_s")}
+        print(json.dumps({"throughput": summary["tokens_per_s"], **result}))
     return 0

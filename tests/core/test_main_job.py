@@ -60,11 +60,14 @@ def test_cli_train_writes_metrics_and_prints_a_summary(tmp_path):
         "--no-progress",
         "--output-dir",
         str(tmp_path),
+        "--json",
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout and "peak memory" in out.stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    last = json.loads(out.stdout.strip().splitlines()[-1])  # the line `slapo tune` reads
+    assert last["throughput"] == metrics["tokens_per_s"] > 0
     assert len(metrics["losses"]) == 2 and metrics["config"]["seq_len"] == 16
     bad = subprocess.run([*cmd[:4], "--steps", "0"], capture_output=True, text=True, timeout=240)
     assert bad.returncode != 0 and "--steps must be positive" in bad.stderr

@@ -1,0 +1,228 @@
+"""``slapo tune``: search a space of training configurations with a real training command.
+
+Example:
+    slapo tune --config tune_cfg.py --db results.json --strategy bayes --budget 20 \\
+        -- python train.py --model gpt2
+
+The config file defines ``update_space(args, space)``; ``args`` holds the flags of the
+training command (``--model gpt2`` -> ``args["model"] == args.model == "gpt2"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .database import Database, DatabaseCorruptError
+from .space import Space, UpdateSpaceFn
+from .strategies import STRATEGIES
+from .tuner import DIRECTIONS, TuneError, Tuner, default_plot_path
+
+HELP = "search training configurations (a space from --config) by running a command"
+
+
+class TrainingArgs(dict):
+    """The training command's flags, readable as ``args["name"]`` or ``args.name``."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(
+                f"the training command has no flag --{name.replace('_', '-')}"
+            ) from None
+
+
+def _convert(text: str) -> Any:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_training_args(command: Sequence[str]) -> TrainingArgs:
+    """Collect ``--name value``, ``--name=value`` and bare ``--flag`` (True) from a command.
+
+    Example:
+        >>> parse_training_args(["python", "train.py", "--gpus", "2", "--fp16", "--lr=1e-3"])
+        {'gpus': 2, 'fp16': True, 'lr': 0.001}
+    """
+    args = TrainingArgs()
+    i = 0
+    while i < len(command):
+        tok = command[i]
+        if tok.startswith("--") and len(tok) > 2:
+            name, eq, text = tok[2:].partition("=")
+            key = name.replace("-", "_")
+            if eq:
+                args[key] = _convert(text)
+            elif i + 1 < len(command) and not command[i + 1].startswith("--"):
+                args[key] = _convert(command[i + 1])
+                i += 1
+            else:
+                args[key] = True
+        i += 1
+    return args
+
+
+def load_update_space(path: str) -> UpdateSpaceFn:
+    """Import the config file at ``path`` and return its ``update_space`` function."""
+    if not os.path.isfile(path):
+        raise TuneError(f"--config {path!r}: no such file")
+    spec = importlib.util.spec_from_file_location("slapo_tune_config", path)
+    if spec is None or spec.loader is None:
+        raise TuneError(f"--config {path!r}: cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, "update_space", None)
+    if not callable(fn):
+        raise TuneError(f"--config {path!r} must define a function update_space(args, space)")
+    return fn
+
+
+def _positive_int(text: str) -> int:
+    val = int(text)
+    if val < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return val
+
+
+def _positive_float(text: str) -> float:
+    val = float(text)
+    if not val > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return val
+
+
+def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``tune`` options and the trailing COMMAND to ``p``."""
+    p.add_argument("--config", required=True, help="Python file defining update_space(args, space)")
+    p.add_argument("--db", required=True, help="JSON file of results; reused to resume")
+    p.add_argument("--strategy", choices=sorted(STRATEGIES), default="exhaustive")
+    p.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        help="most configurations measured in total, earlier runs included",
+    )
+    p.add_argument("--objective", default="throughput", help="key of the trial's JSON result")
+    p.add_argument("--direction", choices=DIRECTIONS, default="maximize")
+    p.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds before a trial is killed and recorded as a timeout",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the random and bayes strategies")
+    p.add_argument("--top", type=_positive_int, default=5, help="rows of the best-config table")
+    p.add_argument("--plot", default=None, help="PNG of the search (default: DB path, .png)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--dry-run", action="store_true", help="list the space and exit")
+    p.add_argument(
+        "trial_command",
+        metavar="COMMAND",
+        nargs=argparse.REMAINDER,
+        help="after --: the training command; each trial appends --name value flags",
+    )
+    p.set_defaults(func=run_tune)
+    return p
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``tune`` on an ``argparse`` subparsers object (handler in ``func``).
+
+    Example:
+        >>> parser = argparse.ArgumentParser(prog="slapo")
+        >>> _ = add_parser(parser.add_subparsers(dest="command"))
+        >>> args = parser.parse_args(["tune", "--config", "c.py", "--db", "r.json", "--",
+        ...                           "python", "train.py", "--lr", "0.1"])
+        >>> args.func is run_tune, args.trial_command[-4:]
+        (True, ['python', 'train.py', '--lr', '0.1'])
+    """
+    p = subparsers.add_parser("tune", help=HELP, description=HELP)
+    return configure_parser(p)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    """Handle parsed ``tune`` arguments; return the exit code (0 ok, 1 no success, 2 misuse)."""
+    command = list(args.trial_command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        print("slapo tune: error: give the training command after --", file=sys.stderr)
+        return 2
+    if shutil.which(command[0]) is None:
+        print(f"slapo tune: error: command not found: {command[0]!r}", file=sys.stderr)
+        return 2
+    try:
+        update_space = load_update_space(args.config)
+        space = Space(update_space, parse_training_args(command))
+        if args.dry_run:
+            cfgs = list(space)
+            for i, cfg in enumerate(cfgs):
+                print(f"[{i}] {Space.cfg_dict_to_str(cfg)}")
+            print(f"{len(cfgs)} configurations")
+            return 0
+        db = Database(args.db)
+        tuner = Tuner(
+            space,
+            command,
+            db,
+            strategy=args.strategy,
+            budget=args.budget,
+            objective=args.objective,
+            direction=args.direction,
+            timeout=args.timeout,
+            seed=args.seed,
+            progress=not args.no_progress,
+        )
+    except (TuneError, DatabaseCorruptError, TypeError, ValueError) as e:
+        print(f"slapo tune: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"slapo tune: {len(tuner.configs)} configurations, strategy {args.strategy}, "
+        f"{len(tuner.records())} already measured in {args.db}",
+        file=sys.stderr,
+    )
+    try:
+        records = tuner.run()
+    except KeyboardInterrupt:
+        print(
+            "slapo tune: interrupted; measured trials are saved, re-run to resume", file=sys.stderr
+        )
+        return 130
+    from .report import best_table, plot_search
+
+    maximize = args.direction == "maximize"
+    print(
+        best_table(records, tuner.value, objective=args.objective, maximize=maximize, top=args.top)
+    )
+    plot = args.plot or default_plot_path(args.db)
+    if plot_search(
+        records,
+        tuner.value,
+        plot,
+        objective=args.objective,
+        maximize=maximize,
+        title=f"slapo tune ({args.strategy}): {' '.join(command)}"[:90],
+    ):
+        print(f"plot: {plot}")
+    return 0 if tuner.best(1) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``tune`` as a standalone program (``python -m slapo.tune.cli``)."""
+    parser = configure_parser(argparse.ArgumentParser(prog="slapo tune", description=HELP))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The tuning loop: ask a strategy, run a trial, commit the record, repeat."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .database import Database
+from .space import Space, Value, config_key
+from .strategies import STRATEGIES, make_strategy
+from .trial import run_trial
+
+DIRECTIONS = ("maximize", "minimize")
+logger = logging.getLogger("slapo.tune")
+
+
+class TuneError(RuntimeError):
+    """A tuning run cannot start or go on (empty space, bad options, ...)."""
+
+
+class Tuner:
+    """Measure the configurations of ``space`` with ``command``, recording them in ``db``.
+
+    Configurations already in the database are never run again, whatever their outcome, so
+    a run that crashed resumes where it stopped. ``budget`` caps the number of measured
+    configurations of this space, counting those of earlier runs.
+
+    Example:
+        >>> import sys
+        >>> space = Space()
+        >>> _ = space.create_symbol("bs", [1, 2, 3])
+        >>> script = "import sys; print('{\\"throughput\\": %s}' % sys.argv[2])"
+        >>> tuner = Tuner(space, [sys.executable, "-c", script], Database(), progress=False)
+        >>> len(tuner.run())
+        3
+        >>> tuner.best(1)[0]["config"]
+        {'bs': 3}
+    """
+
+    def __init__(
+        self,
+        space: Space | Sequence[Mapping[str, Value]],
+        command: Sequence[str],
+        db: Database,
+        *,
+        strategy: str = "exhaustive",
+        budget: int | None = None,
+        objective: str = "throughput",
+        direction: str = "maximize",
+        timeout: float = 600.0,
+        seed: int = 0,
+        progress: bool = True,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
+            raise TypeError(f"command must be a non-empty list of strings, got command={command!r}")
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy={strategy!r}; choose one of {sorted(STRATEGIES)}")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got direction={direction!r}")
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be a positive int or None, got budget={budget!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(
+                f"timeout must be a positive number of seconds, got timeout={timeout!r}"
+            )
+        if not isinstance(db, Database):
+            raise TypeError(f"db must be a slapo.tune.Database, got db={db!r}")
+        self.configs = list(space)
+        if not self.configs:
+            raise TuneError("the tuning space has no valid configuration")
+        self.keys = [config_key(c) for c in self.configs]
+        self.command = list(command)
+        self.db = db
+        self.strategy_name = strategy
+        self.budget = budget
+        self.objective = objective
+        self.direction = direction
+        self.timeout = float(timeout)
+        self.seed = seed
+        self.progress = progress
+        self.env = env
+        self.cwd = cwd
+
+    # ----- reading results ----------------------------------------------------------------
+    def value(self, record: Mapping[str, Any]) -> float | None:
+        """The objective of a record, or None if the trial failed or lacks it."""
+        if record.get("status") != "ok":
+            return None
+        val = (record.get("result") or {}).get(self.objective)
+        if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val):
+            return None
+        return float(val)
+
+    def records(self) -> list[dict[str, Any]]:
+        """Records of this space's configurations in the database, in the order measured."""
+        recs = [self.db[k] for k in self.keys if k in self.db]
+        return sorted(recs, key=lambda r: r.get("trial", 0))
+
+    def best(self, k: int = 5) -> list[dict[str, Any]]:
+        """The ``k`` best successful records, best first."""
+        ok = [r for r in self.records() if self.value(r) is not None]
+        ok.sort(key=lambda r: self.value(r), reverse=self.direction == "maximize")  # type: ignore[arg-type, return-value]
+        return ok[:k]
+
+    def _scores(self) -> dict[int, float | None]:
+        """Index -> score where higher is better (strategies always maximize)."""
+        sign = 1.0 if self.direction == "maximize" else -1.0
+        scores: dict[int, float | None] = {}
+        for i, key in enumerate(self.keys):
+            if key in self.db:
+                val = self.value(self.db[key])
+                scores[i] = None if val is None else sign * val
+        return scores
+
+    # ----- running --------------------------------------------------------------------------
+    def run(self) -> list[dict[str, Any]]:
+        """Run trials until the budget is spent or every configuration is measured.
+
+        Returns this space's records (earlier runs included), in the order measured.
+        """
+        from tqdm.auto import tqdm
+
+        scores = self._scores()
+        limit = len(self.configs) if self.budget is None else min(self.budget, len(self.configs))
+        todo = max(0, limit - len(scores))
+        strategy = make_strategy(self.strategy_name, self.configs, seed=self.seed)
+        next_trial = 1 + max(
+            (int(r.get("trial", 0)) for r in self.db.db.values() if isinstance(r, dict)), default=0
+        )
+        bar = tqdm(
+            total=todo, desc="tune", unit="trial", disable=not self.progress, dynamic_ncols=True
+        )
+        try:
+            for _ in range(todo):
+                idx = strategy.propose(scores)
+                if idx is None:
+                    break
+                cfg = self.configs[idx]
+                res = run_trial(
+                    self.command,
+                    cfg,
+                    objective=self.objective,
+                    timeout=self.timeout,
+                    env=self.env,
+                    cwd=self.cwd,
+                )
+                record = {
+                    "config": cfg,
+                    "trial": next_trial,
+                    "strategy": self.strategy_name,
+                    "objective_key": self.objective,
+                    "command": self.command,
+                    "time": time.time(),
+                    **res.to_record(),
+                }
+                self.db.commit(self.keys[idx], record)
+                next_trial += 1
+                val = self.value(record)
+                sign = 1.0 if self.direction == "maximize" else -1.0
+                scores[idx] = None if val is None else sign * val
+                outcome = (
+                    f"{self.objective}={val:g}"
+                    if val is not None
+                    else (f"{res.status}: {res.error}")
+                )
+                line = (
+                    f"[trial {record['trial']}] {Space.cfg_dict_to_str(cfg)} -> {outcome} "
+                    f"({res.elapsed_s:.1f} s)"
+                )
+                if self.progress:
+                    bar.write(line, file=sys.stderr)
+                else:
+                    logger.info(line)
+                best = self.best(1)
+                if best:
+                    bar.set_postfix_str(f"best {self.objective}={self.value(best[0]):g}")
+                bar.update(1)
+        finally:
+            bar.close()
+        return self.records()
+
+
+def default_plot_path(db_file_name: str) -> str:
+    """``results.json`` -> ``results.png``, next to the database."""
+    return os.path.splitext(db_file_name)[0] + ".png"

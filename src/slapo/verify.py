@@ -1,0 +1,273 @@
+"""``Verify``: check that the primitives applied in a block keep the model's numerics.
+
+On exit the scheduled model and a copy of the model taken on entry run the same inputs under the
+same RNG state; outputs, input gradients and every parameter gradient must match (a sharded
+parameter's gradient against the matching slice of the full one). When they differ, the recorded
+primitives are replayed one by one on a fresh copy to name the first one that breaks equivalence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .exceptions import SlapoError
+from .random import get_cuda_rng_tracker
+from .schedule import PrimitiveRecord, Schedule, create_schedule
+
+__all__ = ["Verify", "VerificationError"]
+
+# (rtol, atol) per dtype: float32 allows for reordered reductions; half types for their precision.
+_TOLERANCES = {
+    torch.float64: (1e-7, 1e-9),
+    torch.float32: (1e-4, 1e-5),
+    torch.bfloat16: (2e-2, 2e-2),
+    torch.float16: (1e-2, 1e-3),
+}
+
+
+class VerificationError(SlapoError, AssertionError):
+    """The scheduled model's outputs or gradients differ from the original model's."""
+
+
+@dataclass
+class _Mismatch:
+    what: str
+    max_diff: float
+
+    def __str__(self) -> str:
+        return f"{self.what} differs (max abs difference {self.max_diff:.3g})"
+
+
+@dataclass
+class _StepResult:
+    outputs: list[torch.Tensor]
+    input_grads: list[torch.Tensor | None]
+    param_grads: dict[str, torch.Tensor]
+    params: dict[str, nn.Parameter]
+
+
+class Verify(contextlib.ContextDecorator):
+    """Verify, on exit, that the primitives applied inside the block keep outputs and gradients.
+
+    Args:
+        sch: the root schedule; primitives are applied to it inside the block.
+        example_inputs: positional inputs (a tensor, tuple or list) or keyword inputs (a dict).
+        device: where both models run for the check.
+        eval_mode: run both in eval mode (no dropout); ``False`` checks train mode, with the same
+            RNG state for both runs.
+        enable: ``False`` turns the check off (e.g. in production runs).
+        loss_fn: ``loss_fn(output) -> scalar`` for the backward; by default a fixed random
+            projection of every floating output (a plain sum could hide errors, e.g. softmax rows
+            always sum to one).
+        rtol, atol: override the tolerances chosen from the output dtype.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
+        >>> sch = slapo.create_schedule(model)
+        >>> with slapo.Verify(sch, torch.randn(3, 4)):
+        ...     sch["1"].replace(nn.GELU())
+        ...     sch["0"].checkpoint()
+    """
+
+    def __init__(
+        self,
+        sch: Schedule,
+        example_inputs: Any,
+        device: str | torch.device = "cpu",
+        eval_mode: bool = True,
+        enable: bool = True,
+        loss_fn: Callable[[Any], torch.Tensor] | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ) -> None:
+        if not isinstance(sch, Schedule) or sch.parent is not None:
+            raise SlapoError("Verify needs the root schedule returned by slapo.create_schedule")
+        self.sch = sch
+        self.example_inputs = example_inputs
+        self.device = torch.device(device)
+        self.eval_mode = eval_mode
+        self.enable = enable
+        self.loss_fn = loss_fn
+        self.rtol, self.atol = rtol, atol
+        self._original: nn.Module | None = None
+        self._first_record = 0
+
+    def __enter__(self) -> Verify:
+        if self.enable:
+            self._original = copy.deepcopy(self.sch.mod)
+            self._first_record = len(self.sch.metadata.primitives)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        if not self.enable or exc_type is not None:
+            return False  # never hide the error raised inside the block
+        assert self._original is not None
+        reference = self._run(copy.deepcopy(self._original))
+        scheduled = self._run(self.sch.mod)
+        mismatch = self._compare(reference, scheduled)
+        if mismatch is not None:
+            raise VerificationError(self._explain(mismatch, reference))
+        return False
+
+    # ----- running ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _fixed_rng(self) -> Iterator[None]:
+        tracker = get_cuda_rng_tracker()
+        cpu = torch.get_rng_state()
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        tracked = tracker.get_states()
+        try:
+            yield
+        finally:  # the next run starts from the very same state
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state_all(cuda)
+            tracker.set_states(tracked)
+
+    def _inputs(self) -> tuple[tuple, dict[str, Any]]:
+        def prepare(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = x.detach().to(self.device).clone()
+            return x.requires_grad_() if x.is_floating_point() else x
+
+        inputs = tree_map(prepare, self.example_inputs)
+        if isinstance(inputs, dict):
+            return (), inputs
+        if isinstance(inputs, (tuple, list)):
+            return tuple(inputs), {}
+        return (inputs,), {}
+
+    def _run(self, model: nn.Module) -> _StepResult:
+        """One forward and backward; the model is left as found (device, mode, no gradients)."""
+        home = next(model.parameters(), torch.empty(0)).device
+        was_training = model.training
+        model.to(self.device).train(not self.eval_mode)
+        args, kwargs = self._inputs()
+        try:
+            with self._fixed_rng():
+                output = model(*args, **kwargs)
+                outputs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                loss = self.loss_fn(output) if self.loss_fn else _projection_loss(outputs)
+                model.zero_grad(set_to_none=True)
+                loss.backward()
+            leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            params = dict(model.named_parameters())
+            return _StepResult(
+                outputs=[o.detach() for o in outputs],
+                input_grads=[t.grad if t.requires_grad else None for t in leaves],
+                param_grads={
+                    n: p.grad.detach().clone() for n, p in params.items() if p.grad is not None
+                },
+                params=params,
+            )
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.to(home).train(was_training)
+
+    # ----- comparing ----------------------------------------------------------------------------
+    def _tol(self, t: torch.Tensor) -> tuple[float, float]:
+        rtol, atol = _TOLERANCES.get(t.dtype, (1e-4, 1e-5))
+        return (
+            self.rtol if self.rtol is not None else rtol,
+            self.atol if self.atol is not None else atol,
+        )
+
+    def _differs(self, ref: torch.Tensor, got: torch.Tensor) -> float | None:
+        if ref.shape != got.shape:
+            return float("inf")
+        rtol, atol = self._tol(ref)
+        ref64, got64 = ref.double(), got.double()
+        if torch.allclose(got64, ref64, rtol=rtol, atol=atol, equal_nan=True):
+            return None
+        return (got64 - ref64).abs().max().item()
+
+    def _compare(self, ref: _StepResult, got: _StepResult) -> _Mismatch | None:
+        if len(ref.outputs) != len(got.outputs):
+            return _Mismatch(
+                f"the number of outputs ({len(ref.outputs)} vs {len(got.outputs)})", float("inf")
+            )
+        for i, (r, g) in enumerate(zip(ref.outputs, got.outputs)):
+            if (d := self._differs(r, g)) is not None:
+                return _Mismatch(f"output {i}", d)
+        for i, (r, g) in enumerate(zip(ref.input_grads, got.input_grads)):
+            if r is not None and g is not None and (d := self._differs(r, g)) is not None:
+                return _Mismatch(f"the gradient of input {i}", d)
+        for name, grad in got.param_grads.items():
+            ref_grad = ref.param_grads.get(name)
+            if ref_grad is None:
+                continue  # a parameter the schedule introduced (e.g. by replace): nothing to match
+            ref_grad = _matching_slice(ref_grad, got.params[name])
+            if (d := self._differs(ref_grad, grad)) is not None:
+                return _Mismatch(f'the gradient of parameter "{name}"', d)
+        missing = [n for n in ref.param_grads if n in got.params and n not in got.param_grads]
+        if missing:
+            return _Mismatch(f'the gradient of parameter "{missing[0]}" (now None)', float("inf"))
+        return None
+
+    # ----- explaining ---------------------------------------------------------------------------
+    def _explain(self, mismatch: _Mismatch, reference: _StepResult) -> str:
+        records = self.sch.metadata.primitives[self._first_record :]
+        head = f"Verify: the scheduled model is not equivalent to the original: {mismatch}."
+        try:
+            culprit, culprit_mismatch = self._bisect(records, reference)
+        except Exception as err:  # noqa: BLE001  (replay is best effort; the mismatch stands)
+            return f"{head} Could not replay the primitives to find the culprit: {err}"
+        if culprit is None:
+            return (
+                f"{head} Replaying the {len(records)} primitive(s) one by one did not reproduce it."
+            )
+        return (
+            f'{head} The first primitive that breaks equivalence is {culprit} on "{culprit.path or "<root>"}" '
+            f"({culprit_mismatch})."
+        )
+
+    def _bisect(
+        self, records: list[PrimitiveRecord], reference: _StepResult
+    ) -> tuple[PrimitiveRecord | None, _Mismatch | None]:
+        """Apply the records one at a time to fresh copies; return the first that diverges."""
+        assert self._original is not None
+        for count in range(1, len(records) + 1):
+            replica = copy.deepcopy(self._original)
+            sch = create_schedule(replica, group=self.sch.group)
+            for record in records[:count]:
+                args, kwargs = copy.deepcopy((record.args, record.kwargs))
+                getattr(sch[record.path], record.name)(*args, **kwargs)
+            mismatch = self._compare(reference, self._run(sch.mod))
+            if mismatch is not None:
+                return records[count - 1], mismatch
+        return None, None
+
+
+def _projection_loss(outputs: list[torch.Tensor]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    total: torch.Tensor | None = None
+    for out in outputs:
+        if not (out.is_floating_point() and out.requires_grad):
+            continue
+        weight = torch.randn(out.shape, generator=generator, dtype=torch.float32).to(out.device)
+        term = (out.float() * weight).sum()
+        total = term if total is None else total + term
+    if total is None:
+        raise SlapoError("Verify: the model produced no floating-point output that requires grad")
+    return total
+
+
+def _matching_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of a full gradient that a (possibly tensor-parallel sharded) parameter holds."""
+    if full.shape == param.shape:
+        return full
+    try:
+        from .sharding.spec import get_shard_spec
+    except ImportError:
+        return full
+    spec = get_shard_spec(param)
+    return spec.local_slice(full) if spec is not None else full
