@@ -113,7 +113,8 @@ class Verify(contextlib.ContextDecorator):
         reference = self._run(copy.deepcopy(self._original))
         scheduled = self._run(self.sch.mod)
         mismatch = self._compare(reference, scheduled)
-        if mismatch is not None:
+        if _on_any_rank(mismatch is not None):  # every rank takes the same path (collectives)
+            mismatch = mismatch or _Mismatch("a tensor on another rank", float("nan"))
             raise VerificationError(self._explain(mismatch, reference))
         return False
 
@@ -218,33 +219,56 @@ class Verify(contextlib.ContextDecorator):
         records = self.sch.metadata.primitives[self._first_record :]
         head = f"Verify: the scheduled model is not equivalent to the original: {mismatch}."
         try:
-            culprit, culprit_mismatch = self._bisect(records, reference)
+            culprit, detail = self._bisect(records, reference)
         except Exception as err:  # noqa: BLE001  (replay is best effort; the mismatch stands)
             return f"{head} Could not replay the primitives to find the culprit: {err}"
         if culprit is None:
-            return (
-                f"{head} Replaying the {len(records)} primitive(s) one by one did not reproduce it."
-            )
+            return f"{head} Replaying the {len(records)} primitive(s) did not reproduce it."
         return (
-            f'{head} The first primitive that breaks equivalence is {culprit} on "{culprit.path or "<root>"}" '
-            f"({culprit_mismatch})."
+            f"{head} The first primitive that breaks equivalence is {culprit} on "
+            f'"{culprit.path or "<root>"}" ({detail}); no primitive after it restores equivalence.'
         )
 
     def _bisect(
         self, records: list[PrimitiveRecord], reference: _StepResult
-    ) -> tuple[PrimitiveRecord | None, _Mismatch | None]:
-        """Apply the records one at a time to fresh copies; return the first that diverges."""
+    ) -> tuple[PrimitiveRecord | None, str]:
+        """The record right after the longest prefix of records that still verifies.
+
+        Intermediate states need not run (a tensor-parallel schedule is only consistent once
+        all its shards and syncs are applied), so a prefix that raises counts as failing and the
+        search walks back from the full schedule to the last equivalent prefix.
+        """
         assert self._original is not None
-        for count in range(1, len(records) + 1):
+        details: list[str] = []
+        for count in range(len(records), -1, -1):
             replica = copy.deepcopy(self._original)
             sch = create_schedule(replica, group=self.sch.group)
-            for record in records[:count]:
-                args, kwargs = copy.deepcopy((record.args, record.kwargs))
-                getattr(sch[record.path], record.name)(*args, **kwargs)
-            mismatch = self._compare(reference, self._run(sch.mod))
-            if mismatch is not None:
-                return records[count - 1], mismatch
-        return None, None
+            try:
+                for record in records[:count]:
+                    args, kwargs = copy.deepcopy((record.args, record.kwargs))
+                    getattr(sch[record.path], record.name)(*args, **kwargs)
+                mismatch = self._compare(reference, self._run(sch.mod))
+                detail = str(mismatch) if mismatch else ""
+            except Exception as err:  # noqa: BLE001  (an inconsistent intermediate schedule)
+                detail = f"running it raises {type(err).__name__}: {err}"
+            failed = _on_any_rank(bool(detail))
+            if not failed:
+                if count == len(records):
+                    return None, ""
+                return records[count], details[-1] if details else ""
+            details.append(detail or "a tensor on another rank differs")
+        return None, ""
+
+
+def _on_any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank (just ``flag`` outside torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _projection_loss(outputs: list[torch.Tensor]) -> torch.Tensor:

@@ -86,6 +86,23 @@ class _GradOp(torch.autograd.Function):
         return ctx.fn(grad), None
 
 
+def _sync_group(sch: Schedule) -> Any:
+    """The schedule's group, checked against the group its sharded parameters use."""
+    from ..sharding.groups import resolve_group, same_group
+    from ..sharding.spec import get_shard_spec
+
+    path = sch.path or "<root>"
+    group = resolve_group(sch.group, path)
+    for name, param in sch.mod.named_parameters():
+        spec = get_shard_spec(param)
+        if spec is not None and not same_group(spec.group, group):
+            raise PrimitiveError(
+                f'sync on "{path}": the group does not match the one "{name}" was sharded over '
+                f"(size {spec.world}); schedule both with the same group"
+            )
+    return group
+
+
 def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, Any]) -> Callable:
     if callable(sync_op_or_fn):
         return lambda t: sync_op_or_fn(t, **kwargs)
@@ -97,7 +114,7 @@ def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, 
                 f'sync on "{sch.path or "<root>"}": unknown op "{sync_op_or_fn}"; known ops: '
                 f"{known}; or pass a function tensor -> tensor"
             )
-        group = sch.group
+        group = _sync_group(sch)
         return lambda t: op(t, group=group, **kwargs)
     raise PrimitiveError(
         f'sync on "{sch.path}": sync_op_or_fn must be an op name or a callable, got {sync_op_or_fn!r}'
@@ -133,7 +150,14 @@ class SyncPrimitive(Primitive):
         path = sch.path or "<root>"
 
         if mode == "fwd_post":
-            sch.mod.register_forward_hook(lambda mod, args, out: replace_primary_output(out, op))
+            from ..sharding.rules import apply_after_sync
+
+            # A row-parallel layer adds its bias only once the partial sums are reduced.
+            sch.mod.register_forward_hook(
+                lambda mod, args, out: replace_primary_output(
+                    out, lambda t: apply_after_sync(mod, op(t))
+                )
+            )
             return
 
         def pre_hook(
