@@ -1,0 +1,81 @@
+"""Layers shared by decoder-only presets (Llama, Qwen3): embedding, block, head.
+
+Between layers flows the tuple ``(hidden_states, attention_mask, position_ids, labels)``;
+each block rebuilds its causal mask and rotary embeddings locally, which is cheaper than
+shipping them through host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class DecoderEmbed(nn.Module):
+    """Token embedding; also fills default position ids."""
+
+    def __init__(self, embed_tokens: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, **unused: Any) -> tuple:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if position_ids is None:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return hidden, attention_mask, position_ids, labels
+
+
+class DecoderBlock(nn.Module):
+    """One transformer block with its own mask and rotary embedding computation."""
+
+    def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, sliding: bool) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary_emb = rotary_emb
+        self.config = config
+        self.sliding = sliding
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                         past_key_values=None, position_ids=position_ids)
+        pe = self.rotary_emb(hidden, position_ids)
+        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe)
+        return hidden, attention_mask, position_ids, labels
+
+
+class DecoderHead(nn.Module):
+    """Final norm + LM head, and the loss when labels are given."""
+
+    def __init__(self, norm: nn.Module, lm_head: nn.Module, owner: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.lm_head = lm_head
+        self.vocab_size = owner.config.vocab_size
+        object.__setattr__(self, "_loss", owner.loss_function)  # not a submodule
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor, labels: torch.Tensor | None) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        logits = self.lm_head(self.norm(hidden))
+        loss = None if labels is None else self._loss(logits, labels, vocab_size=self.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """Layer list of a Llama-style ``*ForCausalLM``."""
+    base = model.model
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(base.layers)
+    blocks = [DecoderBlock(layer, base.rotary_emb, model.config, types[i] == "sliding_attention")
+              for i, layer in enumerate(base.layers)]
+    return [DecoderEmbed(base.embed_tokens), *blocks, DecoderHead(base.norm, model.lm_head, model)]

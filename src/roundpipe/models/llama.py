@@ -1,0 +1,18 @@
+"""RoundPipe preset for Llama: embedding | one layer per decoder block | norm + LM head."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .decoder import decoder_layers
+
+MODEL_CLASSES = ("LlamaForCausalLM",)
+
+
+def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> Any:
+    """Wrap a ``LlamaForCausalLM``; call it like the original (``input_ids``, ``labels``, ...)."""
+    from ..roundpipe import RoundPipe
+
+    return RoundPipe(model, layers=decoder_layers(model), **roundpipe_kwargs)

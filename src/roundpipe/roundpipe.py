@@ -1,0 +1,404 @@
+"""The RoundPipe model wrappers."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from . import optim_stream
+from .attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
+from .batch import Batch
+from .context import doing_optimizer
+from .device import get_devices
+from .memory import pin_module
+from .run import RoundPipeBatchedBackward, RoundPipeRun
+from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from .scheduler import ModelExecutePlan
+from .timer import ModelTimer
+from .utils import get_call_location, get_model_active_size, get_model_size
+
+__all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
+
+_OWN_ATTRS = {"model", "original_model", "name", "layer_attrs", "optim_dtype", "training"}
+
+
+class RoundPipeBase(nn.Module):
+    """Optimizer-copy management, asynchronous ``step`` and attribute shim shared by
+    :class:`RoundPipe` and :class:`AutoRoundPipe`."""
+
+    def __init__(self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
+            raise TypeError(f"optim_dtype must be a torch.dtype, got {optim_dtype!r}")
+        super().__init__()
+        self.model = model
+        self.name = name or get_call_location(2)
+        self.original_model: nn.Module | None = None
+        self.layer_attrs: list[LayerAttribute] = []
+        self.optim_dtype = optim_dtype
+        self._warned_params = False
+        self._rp_ready = False  # subclasses set it last: their own attributes are not mirrored
+
+
+    # -- attribute shim ------------------------------------------------------------------
+    def set_original_model(self, original_model: nn.Module) -> None:
+        """Mirror attribute reads / writes to ``original_model`` (the pre-wrap module)."""
+        object.__setattr__(self, "original_model", original_model)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            pass
+        modules = self.__dict__.get("_modules", {})
+        for target in (modules.get("model"), self.__dict__.get("original_model")):
+            if target is not None and hasattr(target, name):
+                return getattr(target, name)
+        raise AttributeError(f"{type(self).__name__} (and the wrapped model) has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_rp_ready") and name not in _OWN_ATTRS and not name.startswith("_") \
+                and name not in self.__dict__ and not isinstance(value, (nn.Module, torch.Tensor)):
+            mirrored = False
+            for target in (self._modules.get("model"), self.__dict__.get("original_model")):
+                if target is not None and hasattr(target, name):
+                    setattr(target, name, value)
+                    mirrored = True
+            if mirrored:
+                return
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        for target in (self._modules.get("model"), self.__dict__.get("original_model")):
+            if target is not None and hasattr(target, name):
+                delattr(target, name)
+        if name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers:
+            super().__delattr__(name)
+
+    # -- parameters ----------------------------------------------------------------------
+    def _all_layer_attrs(self) -> list[LayerAttribute]:
+        return list(self.layer_attrs)
+
+    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """Named optimizer copies of the parameters (what optimizers should update).
+
+        Example:
+            >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="off")
+            >>> [n for n, _ in rp.optim_named_parameters()]
+            ['0.weight', '0.bias']
+        """
+        for name, p in nn.Module.named_parameters(self.model, prefix=prefix, remove_duplicate=remove_duplicate):
+            if ParamAttribute.has(p):
+                optim = ParamAttribute.get(p).optim
+                assert optim is not None
+                yield name, optim
+
+    def optim_parameters(self) -> Iterator[nn.Parameter]:
+        """Optimizer copies of the parameters.
+
+        Example:
+            >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="off")
+            >>> opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+        """
+        for _, p in self.optim_named_parameters():
+            yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        """Model parameters; the optimizer copies inside :class:`~roundpipe.OptimizerCtx`."""
+        if doing_optimizer():
+            yield from self.optim_named_parameters(prefix, remove_duplicate)
+            return
+        if any(a.launched for a in self._all_layer_attrs()) and not self._warned_params:
+            self._warned_params = True
+            warnings.warn("RoundPipe model parameters may be one step stale after an asynchronous "
+                          "step(); build optimizers from optim_parameters()", stacklevel=2)
+        yield from super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
+        """Model parameters; the optimizer copies inside :class:`~roundpipe.OptimizerCtx`."""
+        for _, p in self.named_parameters(recurse=recurse):
+            yield p
+
+    # -- optimizer step --------------------------------------------------------------------
+    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
+        """Run ``step_fn`` (e.g. ``optimizer.step(); optimizer.zero_grad()``) on the optimizer thread.
+
+        Gradients accumulated since the last step are added to the optimizer copies' ``.grad``
+        first. With ``is_async=True`` this returns at once and the next forward + backward
+        uses the previous parameters (one step stale); the updated values are copied back
+        layer by layer after that backward. ``is_async=False`` waits: exact synchronous SGD.
+
+        Example:
+            >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 1)), pin_model="off")
+            >>> opt = torch.optim.SGD(rp.optim_parameters(), lr=0.1)
+            >>> rp(torch.ones(4, 2)).sum().backward()
+            >>> rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
+        """
+        if not callable(step_fn):
+            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+        optim_stream.raise_pending_error()
+        from .grad_scaler import snapshot_scalers
+
+        launches = [(a, *a.launch_step(flush_now=not is_async)) for a in self._all_layer_attrs()]
+        restore_scalers = snapshot_scalers()
+
+        def kernel() -> None:
+            try:
+                for attr, k, _ in launches:
+                    attr.take_grads(k)
+                restore_scalers()
+                step_fn(*args, **kwargs)
+            finally:
+                for attr, k, bwd in launches:
+                    attr.finish_step(k, bwd)
+
+        optim_stream.launch_optim_kernel(kernel)
+        if not is_async:
+            self.synchronize()
+
+    def sync_optim_param(self) -> None:
+        """Copy every pending optimizer update into the model parameters now."""
+        for a in self._all_layer_attrs():
+            a.flush()
+        if not optim_stream.on_optim_stream():
+            optim_stream.synchronize_optim()
+            for a in self._all_layer_attrs():
+                a.wait_copied()
+
+    def synchronize(self) -> None:
+        """Wait for the optimizer thread and make model parameters equal the optimizer copies."""
+        self.sync_optim_param()
+
+
+class RoundPipe(RoundPipeBase):
+    """Wraps a model whose computation is a sequence of layers with RoundPipe's runtime.
+
+    Parameters, gradients and optimizer copies stay in host memory; each pipeline stage
+    (a group of consecutive layers) is uploaded to the next device round-robin, runs all
+    microbatches, and is freed.
+
+    Args:
+        model: an ``nn.Sequential`` (split into its children) or any module (one layer,
+            unless ``layers`` is given).
+        optim_dtype: dtype of the optimizer copies (default: each parameter's dtype).
+        name: label for logs and errors (default: ``file:line`` of the call).
+        model_run_config: defaults for every call.
+        pin_model: ``"alloc"`` (pinned copies), ``"register"`` (``cudaHostRegister`` in place)
+            or ``"off"``. Pinning happens only on devices that benefit (CUDA).
+        layers: explicit layer modules in execution order; layer ``i + 1`` receives the
+            output of layer ``i`` (a plain tuple is unpacked as positional arguments) and the
+            first layer receives the call's arguments.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from roundpipe import RoundPipe, RoundPipeRunConfig
+        >>> net = RoundPipe(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
+        ...                 model_run_config=RoundPipeRunConfig(num_microbatch=2), pin_model="off")
+        >>> net(torch.randn(6, 4)).shape
+        torch.Size([6, 1])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optim_dtype: torch.dtype | None = None,
+        name: str | None = None,
+        model_run_config: RoundPipeRunConfig | None = None,
+        pin_model: Literal["alloc", "register", "off"] = "alloc",
+        layers: Sequence[nn.Module] | None = None,
+    ) -> None:
+        super().__init__(model, name=name, optim_dtype=optim_dtype)
+        model_run_config = RoundPipeRunConfig() if model_run_config is None else model_run_config
+        if not isinstance(model_run_config, RoundPipeRunConfig):
+            raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
+        if pin_model not in ("alloc", "register", "off"):
+            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+        if layers is None:
+            layer_list = list(model) if isinstance(model, nn.Sequential) else [model]
+        else:
+            layer_list = list(layers)
+            bad = [type(x).__name__ for x in layer_list if not isinstance(x, nn.Module)]
+            if bad:
+                raise TypeError(f"layers must all be nn.Module, got {bad}")
+        if not layer_list:
+            raise ValueError("layers must not be empty")
+        self.model_run_config = model_run_config
+        object.__setattr__(self, "layers", layer_list)  # plain list: not re-registered as submodules
+        self.num_layers = len(layer_list)
+        pin_module(model, pin_model, get_devices()[0].supports_pinning)
+        in_model = set(model.modules())
+        for layer in layer_list:
+            if layer not in in_model:
+                pin_module(layer, pin_model, get_devices()[0].supports_pinning)
+        self.layer_attrs = [make_layer_attribute(f"{self.name}[{i}]", layer, i, optim_dtype)
+                            for i, layer in enumerate(layer_list)]
+        self._extra_attr = self._leftover_attr(model, layer_list)
+        self.layer_bytes = [get_model_size(layer) for layer in layer_list]
+        self.layer_grad_bytes = [get_model_active_size(layer) for layer in layer_list]
+        self.layer_size = [b / 1024**3 for b in self.layer_bytes]
+        self.model_timer = ModelTimer(self.num_layers, self.layer_bytes)
+        self._rp_ready = True
+
+    def _leftover_attr(self, model: nn.Module, layer_list: list[nn.Module]) -> LayerAttribute | None:
+        """Parameters of ``model`` not in any layer: they never run, but still get optimizer copies."""
+        covered = {id(p) for layer in layer_list for p in layer.parameters()}
+        rest = [p for p in unique_params(model) if id(p) not in covered]
+        for p in rest:
+            ParamAttribute.set(p, None, self.optim_dtype)
+        return LayerAttribute(f"{self.name}[unused]", rest) if rest else None
+
+    def _all_layer_attrs(self) -> list[LayerAttribute]:
+        return self.layer_attrs + ([self._extra_attr] if self._extra_attr is not None else [])
+
+    def _plan(self, cfg: FullRoundPipeRunConfig, run_type: Literal["infer", "train", "fused"]) -> ModelExecutePlan:
+        plan = cfg.execute_plan if cfg.execute_plan is not None else ModelExecutePlan.auto(run_type, self)
+        plan.check_valid(self.num_layers, run_type)
+        return plan
+
+    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+        """Run the model pipelined over microbatches; autograd-compatible.
+
+        With gradients enabled, the result is attached to the autograd graph and
+        ``loss.backward()`` runs the pipelined recompute + backward.
+        """
+        optim_stream.raise_pending_error()
+        cfg = FullRoundPipeRunConfig(roundpipe_run_config or RoundPipeRunConfig(), self.model_run_config)
+        batch = Batch(args, kwargs, cfg)
+        if not cfg.requires_grad:
+            run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "infer"), False, "inference")
+            run.launch_forward(fused=False)
+            run.join()
+            return batch.dump(cfg, [pytree.tree_unflatten(s[0], s[1]) for s in run.states])
+        if not torch.is_grad_enabled():
+            raise RuntimeError("requires_grad=True in the run config but gradients are disabled "
+                               "(torch.no_grad); enable grad or set requires_grad=False")
+        run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "train"), True, "forward")
+        inputs = [t for leaves in batch.flatten_states for t in leaves
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        tag = torch.zeros((), requires_grad=True)
+        outs = iter(RoundPipeBatchedBackward.apply(run, tag, *inputs))
+        per_mb = []
+        for leaves, spec, _ in run.states:
+            new = [next(outs) if isinstance(t, torch.Tensor) else t for t in leaves]
+            per_mb.append(pytree.tree_unflatten(new, spec))
+        return batch.dump(cfg, per_mb)
+
+    def forward_backward(
+        self,
+        input_args: tuple[Any, ...] = (),
+        input_kwargs: dict[str, Any] | None = None,
+        label: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor | Sequence[torch.Tensor]] = lambda outputs, labels: outputs,
+        return_outputs: bool = False,
+        run_config: RoundPipeRunConfig | None = None,
+    ) -> Any:
+        """Forward, loss and backward in one pipelined pass; the last stage is fused.
+
+        ``loss_fn(outputs, labels)`` runs per microbatch and each result is back-propagated
+        as is, so divide by the number of microbatches for a mean over the batch.
+        Returns the loss summed over microbatches (and the merged outputs when
+        ``return_outputs``).
+
+        Example:
+            >>> net = RoundPipe(nn.Sequential(nn.Linear(4, 1)), pin_model="off",
+            ...                 model_run_config=RoundPipeRunConfig(num_microbatch=2))
+            >>> x, y = torch.randn(4, 4), torch.randn(4, 1)
+            >>> loss = net.forward_backward((x,), label=y,
+            ...     loss_fn=lambda out, lab: nn.functional.mse_loss(out, lab) / 2)
+        """
+        if not isinstance(input_args, tuple):
+            raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
+        if input_kwargs is not None and not isinstance(input_kwargs, dict):
+            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable")
+        if not torch.is_grad_enabled():
+            raise RuntimeError("forward_backward needs gradients enabled (called under torch.no_grad)")
+        optim_stream.raise_pending_error()
+        cfg = FullRoundPipeRunConfig(run_config or RoundPipeRunConfig(), self.model_run_config)
+        cfg.requires_grad = True
+        batch = Batch(input_args, input_kwargs or {}, cfg, label)
+        run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "fused"), True, "forward_backward")
+        run.loss_fn = loss_fn
+        run.return_outputs = return_outputs
+        run.launch_forward(fused=True)
+        run.join()
+        # gradients for caller tensors (e.g. outputs of an upstream RoundPipe model)
+        ins, grads = [], []
+        for m, g in enumerate(run.input_grads()):
+            for t, gi, need in zip(batch.flatten_states[m], g, run.input_grad_mask[m]):
+                if need and gi is not None:
+                    ins.append(t)
+                    grads.append(gi)
+        if ins:
+            torch.autograd.backward(ins, grads)
+        losses = batch.loss_list
+        if isinstance(losses[0], torch.Tensor):
+            total: Any = torch.stack(losses).sum(0)
+        else:
+            total = [torch.stack([mb[i] for mb in losses]).sum(0) for i in range(len(losses[0]))]
+        if not return_outputs:
+            return total
+        outs = [pytree.tree_unflatten(c.outputs[0], c.outputs[1]) for c in run.contexts]  # type: ignore[index]
+        return total, batch.dump(cfg, outs)
+
+
+class AutoRoundPipe(RoundPipeBase):
+    """Optimizer copies and asynchronous ``step`` over an arbitrary model whose heavy
+    submodules were replaced by :class:`RoundPipe` instances (see ``wrap_model_to_roundpipe``).
+
+    Parameters outside any RoundPipe submodule run on the host in the caller's thread;
+    their pending optimizer update is applied before the next forward.
+
+    Example:
+        >>> body = RoundPipe(nn.Sequential(nn.Linear(4, 4)), pin_model="off")
+        >>> auto = AutoRoundPipe(nn.Sequential(body, nn.Linear(4, 1)))
+        >>> auto(torch.randn(3, 4)).shape
+        torch.Size([3, 1])
+    """
+
+    def __init__(self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(model, name=name, optim_dtype=optim_dtype)
+        self.sub_roundpipes = [m for m in model.modules() if isinstance(m, RoundPipe)]
+        covered = {id(p) for rp in self.sub_roundpipes for p in nn.Module.parameters(rp)}
+        rest = [p for p in unique_params(model) if id(p) not in covered]
+        for p in rest:
+            ParamAttribute.set(p, None, optim_dtype)
+        self.local_attr = LayerAttribute(f"{self.name}[local]", rest)
+        self.layer_attrs = [self.local_attr]
+        self._rp_ready = True
+
+    def _all_layer_attrs(self) -> list[LayerAttribute]:
+        attrs = [self.local_attr]
+        for rp in self.sub_roundpipes:
+            attrs.extend(rp._all_layer_attrs())
+        return attrs
+
+    @property
+    def module_param_uploaded_events(self) -> list[LayerAttribute]:
+        """Layer attributes of every RoundPipe submodule (their upload state)."""
+        return [a for rp in self.sub_roundpipes for a in rp.layer_attrs]
+
+    @property
+    def module_gradient_ready_events(self) -> list[LayerAttribute]:
+        """Layer attributes of every RoundPipe submodule (their gradient state)."""
+        return self.module_param_uploaded_events
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Apply pending updates of host-run parameters, then call the model."""
+        optim_stream.raise_pending_error()
+        if self.local_attr.params and self.local_attr.copied < self.local_attr.launched:
+            self.local_attr.flush()
+            self.local_attr.wait_copied()
+        return self.model(*args, **kwargs)
+
+    def sync_optim_param(self) -> None:
+        """Copy every pending optimizer update into the model parameters now."""
+        super().sync_optim_param()

@@ -1,0 +1,132 @@
+"""Runtime configuration objects shared across RoundPipe components."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from .scheduler import ModelExecutePlan
+
+__all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
+
+_FIELDS = (
+    "requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
+    "num_microbatch", "split_input", "split_label", "merge_output", "execute_plan",
+)
+
+
+class RoundPipeRunConfig:
+    """Configuration for running RoundPipe models; ``None`` means "inherit".
+
+    Set it per model (``RoundPipe(model, model_run_config=...)``) and/or per call
+    (``model(x, roundpipe_run_config=...)``); per-call values win.
+
+    Args:
+        requires_grad: store state for backward. Default: ``torch.is_grad_enabled()``.
+        output_device: where outputs are placed. Default: CPU.
+        preserve_rng_state: replay the same random numbers (dropout) in recompute. Default True.
+        recompute_grain: ``"stage"`` recomputes a whole backward stage then runs its backward;
+            ``"layer"`` recomputes and back-propagates layer by layer. Default ``"stage"``.
+        num_microbatch: microbatches per call. Default: number of devices + 1.
+        split_input: ``None`` (automatic), a spec pytree mirroring ``(args, kwargs)`` whose
+            leaves are a split dim (int) or ``None`` (replicate), or a callable
+            ``(args, kwargs, n) -> list[(args, kwargs)]``.
+        split_label: ``None`` (automatic), a spec pytree, or a callable ``(label, n) -> list``.
+        merge_output: ``None``/``True`` (concatenate along dim 0, average scalars), ``False``
+            (return a :class:`~roundpipe.batch.RoundPipePackedData` for chaining models), or a
+            callable ``list[output] -> output``.
+        execute_plan: a fixed :class:`~roundpipe.scheduler.ModelExecutePlan`. Default: auto.
+
+    Example:
+        >>> cfg = RoundPipeRunConfig(num_microbatch=4, recompute_grain="layer")
+        >>> cfg.num_microbatch
+        4
+    """
+
+    def __init__(
+        self,
+        requires_grad: bool | None = None,
+        output_device: torch.device | str | None = None,
+        preserve_rng_state: bool | None = None,
+        recompute_grain: Literal["stage", "layer"] | None = None,
+        num_microbatch: int | None = None,
+        split_input: Any = None,
+        split_label: Any = None,
+        merge_output: bool | Callable[[list[Any]], Any] | None = None,
+        execute_plan: ModelExecutePlan | None = None,
+    ) -> None:
+        for name, value in (("requires_grad", requires_grad), ("preserve_rng_state", preserve_rng_state)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be bool or None, got {type(value).__name__}")
+        if recompute_grain is not None and recompute_grain not in ("stage", "layer"):
+            raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}")
+        if num_microbatch is not None and (
+            not isinstance(num_microbatch, int) or isinstance(num_microbatch, bool) or num_microbatch < 1
+        ):
+            raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+        if output_device is not None:
+            try:
+                output_device = torch.device(output_device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"output_device is not a device: {output_device!r}") from e
+        if merge_output is not None and not isinstance(merge_output, bool) and not callable(merge_output):
+            raise TypeError("merge_output must be None, a bool or a callable")
+        if execute_plan is not None:
+            from .scheduler import ModelExecutePlan
+
+            if not isinstance(execute_plan, ModelExecutePlan):
+                raise TypeError(f"execute_plan must be a ModelExecutePlan, got {type(execute_plan).__name__}")
+        self.requires_grad = requires_grad
+        self.output_device = output_device
+        self.preserve_rng_state = preserve_rng_state
+        self.recompute_grain = recompute_grain
+        self.num_microbatch = num_microbatch
+        self.split_input = split_input
+        self.split_label = split_label
+        self.merge_output = merge_output
+        self.execute_plan = execute_plan
+
+    def __repr__(self) -> str:
+        set_fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in _FIELDS if getattr(self, k) is not None)
+        return f"RoundPipeRunConfig({set_fields})"
+
+
+class FullRoundPipeRunConfig:
+    """A per-call config merged over the model config, with every default resolved.
+
+    Example:
+        >>> full = FullRoundPipeRunConfig(RoundPipeRunConfig(num_microbatch=2), RoundPipeRunConfig())
+        >>> full.num_microbatch, full.recompute_grain
+        (2, 'stage')
+    """
+
+    requires_grad: bool
+    output_device: torch.device
+    preserve_rng_state: bool
+    recompute_grain: Literal["stage", "layer"]
+    num_microbatch: int
+
+    def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
+        for name, cfg in (("function_run_config", function_run_config), ("model_run_config", model_run_config)):
+            if not isinstance(cfg, RoundPipeRunConfig):
+                raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
+        for k in _FIELDS:
+            v = getattr(function_run_config, k)
+            setattr(self, k, v if v is not None else getattr(model_run_config, k))
+        if self.requires_grad is None:
+            self.requires_grad = torch.is_grad_enabled()
+        if self.output_device is None:
+            self.output_device = torch.device("cpu")
+        if self.preserve_rng_state is None:
+            self.preserve_rng_state = True
+        if self.recompute_grain is None:
+            self.recompute_grain = "stage"
+        if self.num_microbatch is None:
+            from .device import get_num_devices
+
+            self.num_microbatch = get_num_devices() + 1
+        if self.merge_output is None:
+            self.merge_output = True
