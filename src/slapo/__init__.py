@@ -11,7 +11,7 @@ Example:
 from dataclasses import dataclass, field  # noqa: F401  (re-exported by the reference API)
 from functools import partial  # noqa: F401
 
-from . import env, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
+from . import env, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
 from .build import build
 from .checkpoint_io import export_safetensors, load_checkpoint, save_checkpoint
 from .consolidate import consolidate_model
@@ -24,18 +24,28 @@ from .exceptions import (
 )
 from .initialization import init_empty_weights
 from .logger import get_logger
+from .pattern import ModulePattern, Pattern, Subgraph, call_module
 from .primitives import Primitive, list_primitives, register_primitive
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .schedule import PrimitiveRecord, Schedule, ScheduleMetadata, create_schedule, is_module_list
 from .sharding import CollectiveError, vocab_parallel_cross_entropy
 from .targets import get_dialect_cls, init_target_engine
 from .tie_weights import analyze_tie_weights
+from .tracing import TraceError, trace, trace_module
 from .tune import Database, Space, Symbol
 from .verify import VerificationError, Verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ModulePattern",
+    "Pattern",
+    "Subgraph",
+    "TraceError",
+    "call_module",
+    "op",
+    "trace",
+    "trace_module",
     "CollectiveError",
     "analyze_tie_weights",
     "consolidate_model",

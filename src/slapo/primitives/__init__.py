@@ -1,6 +1,17 @@
 """Schedule primitives: importing this package registers the built-in ones."""
 
-from . import annotate, checkpoint, fork_rng, replace, shard, sync  # noqa: F401  (registration)
+from . import (  # noqa: F401  (importing registers the primitives)
+    annotate,
+    checkpoint,
+    decompose,
+    find,
+    fork_rng,
+    fuse,
+    replace,
+    shard,
+    sync,
+    trace,
+)
 from .base import Primitive, get_primitive, list_primitives, register_primitive
 from .sync import register_sync_op
 

@@ -1,0 +1,25 @@
+"""Ready modules for the common replacements in scheduled models.
+
+Example:
+    >>> from slapo import op
+    >>> act = op.FusedBiasGELU(16)
+    >>> y = act(torch.randn(2, 16))
+"""
+
+from .attention import ATTENTION_IMPLS, SDPAttention, attention, register_transformers_attention
+from .cross_entropy import LinearCrossEntropy, linear_cross_entropy
+from .mlp import BiasDropoutResidual, FusedBiasGELU, bias_gelu
+from .print import Print
+
+__all__ = [
+    "ATTENTION_IMPLS",
+    "BiasDropoutResidual",
+    "FusedBiasGELU",
+    "LinearCrossEntropy",
+    "Print",
+    "SDPAttention",
+    "attention",
+    "bias_gelu",
+    "linear_cross_entropy",
+    "register_transformers_attention",
+]

@@ -1,0 +1,150 @@
+"""Scaled-dot-product attention: eager, SDPA, and flash kernels on CUDA.
+
+:func:`register_transformers_attention` plugs it into any transformers family through
+``AttentionInterface``, so ``model.set_attn_implementation("slapo")`` (or
+``config._attn_implementation = "slapo"``) switches every attention layer at once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..exceptions import SlapoError
+
+__all__ = ["ATTENTION_IMPLS", "attention", "SDPAttention", "register_transformers_attention"]
+
+ATTENTION_IMPLS = ("auto", "eager", "sdpa", "flash")
+
+
+def _eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float,
+) -> torch.Tensor:
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        causal = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
+    probs = F.dropout(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), dropout_p)
+    return torch.matmul(probs, v)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    impl: str = "auto",
+) -> torch.Tensor:
+    """Attention over ``(batch, heads, seq, head_dim)`` tensors; K/V heads may be fewer (GQA).
+
+    ``impl``: ``"eager"`` (matmul + softmax), ``"sdpa"`` (torch's fused kernel), ``"flash"``
+    (flash-attention kernel, CUDA half precision only) or ``"auto"`` (flash where it applies,
+    else SDPA).
+
+    Example:
+        >>> q = k = v = torch.randn(2, 4, 8, 16)
+        >>> attention(q, k, v, is_causal=True).shape
+        torch.Size([2, 4, 8, 16])
+    """
+    if impl not in ATTENTION_IMPLS:
+        raise SlapoError(f"attention impl must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat the K/V heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and mask is None
+    if impl == "flash" and not flash_ok:
+        raise SlapoError(
+            "flash attention needs CUDA fp16/bf16 tensors and no explicit mask; use impl='sdpa'"
+        )
+    if impl == "eager":
+        return _eager(q, k, v, mask, dropout_p, is_causal, scale)
+    if impl == "flash" or (impl == "auto" and flash_ok):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            )
+    return F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal and mask is None,
+        scale=scale,
+    )
+
+
+class SDPAttention(nn.Module):
+    """Attention core as a module: ``forward(q, k, v, mask=None)``; dropout follows the mode.
+
+    Example:
+        >>> attn = SDPAttention(dropout=0.1, is_causal=True, impl="sdpa")
+        >>> attn(*[torch.randn(1, 2, 4, 8)] * 3).shape
+        torch.Size([1, 2, 4, 8])
+    """
+
+    def __init__(self, dropout: float = 0.0, is_causal: bool = False, impl: str = "auto") -> None:
+        super().__init__()
+        self.dropout = dropout
+        self.is_causal = is_causal
+        self.impl = impl
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        p = self.dropout if self.training else 0.0
+        return attention(q, k, v, mask, p, self.is_causal, impl=self.impl)
+
+
+def _transformers_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", False)
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, : key.shape[-2]]
+    impl = getattr(module, "slapo_attention_impl", "auto")
+    out = attention(query, key, value, mask, dropout, bool(causal and mask is None), scaling, impl)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_transformers_attention(name: str = "slapo") -> str:
+    """Register Slapo's attention with transformers under ``name`` and return the name.
+
+    Example:
+        >>> name = register_transformers_attention()
+        >>> model.set_attn_implementation(name)  # doctest: +SKIP
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, _transformers_attention)
+    return name

@@ -1,0 +1,76 @@
+"""``find``: match module calls by name, or subgraphs by a pattern, in a traced module."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import fx, nn
+
+from ..exceptions import PrimitiveError
+from ..pattern import Pattern, Subgraph, find_call_modules, find_pattern
+from .base import Primitive, register_primitive
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+
+def traced_module(sch: Schedule, primitive: str) -> fx.GraphModule:
+    """The schedule's module, which must be a traced ``GraphModule``."""
+    if not isinstance(sch.mod, fx.GraphModule):
+        raise PrimitiveError(
+            f'{primitive} on "{sch.path or "<root>"}" ({type(sch.mod).__name__}) needs a static '
+            f'graph: call sch["{sch.path}"].trace() first'
+        )
+    return sch.mod
+
+
+@register_primitive()
+class FindPrimitive(Primitive):
+    """Find module calls (a regex on their names) or subgraphs (a pattern) in the traced module.
+
+    A string is a regex matched against the called submodule's name (its last part, or its full
+    dotted name). A function, a ``Pattern`` instance or class, or a ``ModulePattern`` is matched
+    structurally; ``call_module(regex, *args)`` inside a pattern matches a submodule call.
+    Traced submodules (child GraphModules) are searched too; each ``Subgraph`` records the path
+    of the graph it lives in. Returns every non-overlapping match (an empty list if none).
+
+    Example:
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+        >>> sch.trace(tracer="fx")
+        >>> sch.find(lambda x: torch.nn.functional.gelu(x))
+        [Subgraph(path='', nodes=[_1])]
+    """
+
+    name = "find"
+
+    @staticmethod
+    def apply(sch: Schedule, regex_or_pattern_fn: str | Callable | nn.Module) -> list[Subgraph]:
+        traced_module(sch, "find")
+        pattern: Any = regex_or_pattern_fn
+        if inspect.isclass(pattern) and issubclass(pattern, nn.Module):
+            pattern = pattern()
+        if not isinstance(pattern, str | nn.Module) and not callable(pattern):
+            raise PrimitiveError(
+                f"find() takes a regex string, a pattern function or a Pattern, got {pattern!r}"
+            )
+        found: list[Subgraph] = []
+        for rel, sub in _graph_schedules(sch):
+            if isinstance(pattern, str):
+                found += find_call_modules(sub.mod, pattern, rel)
+            else:
+                found += find_pattern(sub.mod, pattern, rel)
+        return found
+
+
+def _graph_schedules(sch: Schedule, prefix: str = "") -> list[tuple[str, Schedule]]:
+    """This schedule and every descendant whose module is a GraphModule, pre-order."""
+    out = [(prefix, sch)]
+    for name, child in sch.child.items():
+        if isinstance(child.mod, fx.GraphModule):
+            out += _graph_schedules(child, f"{prefix}.{name}" if prefix else name)
+    return out
+
+
+__all__ = ["FindPrimitive", "Pattern", "traced_module"]

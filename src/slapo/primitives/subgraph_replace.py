@@ -1,0 +1,254 @@
+"""``replace(new_module, subgraph)``: swap part of a traced graph for a module.
+
+Also the graph surgery shared by ``fuse`` and ``checkpoint(subgraph)``: checking that a subgraph
+can be cut out, extracting it as a ``GraphModule``, and putting a module call in its place.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import fx, nn
+
+from ..exceptions import PrimitiveError
+from ..logger import get_logger
+from ..pattern import Subgraph
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+__all__ = ["replace_subgraph", "normalize", "check_closed", "extract", "substitute"]
+
+
+def normalize(sch: Schedule, subgraph: Any, primitive: str) -> list[Subgraph]:
+    """A list of subgraphs from what ``find`` returned; warns and returns [] if it is empty."""
+    if isinstance(subgraph, Subgraph):
+        return [subgraph]
+    if isinstance(subgraph, fx.Node):
+        return [Subgraph("", [subgraph], list(subgraph.args), subgraph, dict(subgraph.kwargs))]
+    if isinstance(subgraph, Sequence) and all(isinstance(s, Subgraph) for s in subgraph):
+        if not subgraph:
+            msg = (
+                f'{primitive} on "{sch.path or "<root>"}" got an empty match: find() found '
+                "nothing, so nothing is changed; check the pattern or regex"
+            )
+            warnings.warn(msg, UserWarning, stacklevel=4)
+            get_logger().warning(msg)
+        return list(subgraph)
+    raise PrimitiveError(
+        f"{primitive} expects what find() returns (a Subgraph or a list of them), got "
+        f"{type(subgraph).__name__}"
+    )
+
+
+def owner_of(sch: Schedule, subgraphs: list[Subgraph], primitive: str) -> Schedule:
+    """The schedule whose graph holds all ``subgraphs``."""
+    paths = {s.path for s in subgraphs}
+    if len(paths) != 1:
+        raise PrimitiveError(
+            f"{primitive}: the subgraphs live in different graphs ({sorted(paths)}); "
+            "pass the matches of one graph at a time"
+        )
+    owner = sch[paths.pop()]
+    if not isinstance(owner.mod, fx.GraphModule):
+        raise PrimitiveError(f'{primitive}: "{owner.path}" is not a traced module')
+    graph_nodes = set(owner.mod.graph.nodes)
+    for s in subgraphs:
+        if any(n not in graph_nodes for n in s.nodes):
+            raise PrimitiveError(
+                f'{primitive}: {s} is not in the graph of "{owner.path or "<root>"}" any more '
+                "(stale match); call find() again after changing the graph"
+            )
+    return owner
+
+
+def check_closed(sub: Subgraph, primitive: str) -> None:
+    """Raise if a value computed inside ``sub`` (other than its output) is used outside it."""
+    inside = set(sub.nodes)
+    for node in sub.nodes:
+        if node is sub.output:
+            continue
+        outside = [u for u in node.users if u not in inside]
+        if outside:
+            raise PrimitiveError(
+                f"{primitive}: the subgraph's intermediate value {node.name} escapes: it is also "
+                f"used by {', '.join(u.name for u in outside)} outside the subgraph. Only its "
+                "output may be used outside; match a larger pattern that covers those uses"
+            )
+
+
+def external_inputs(subs: list[Subgraph]) -> list[fx.Node]:
+    """Nodes defined outside the subgraphs that they read, in first-use order (deduplicated)."""
+    inside = {n for s in subs for n in s.nodes}
+    seen: list[fx.Node] = []
+    for s in subs:
+        for node in s.nodes:
+            for arg in node.all_input_nodes:
+                if arg not in inside and arg not in seen:
+                    seen.append(arg)
+    return seen
+
+
+def extract(owner: fx.GraphModule, sub: Subgraph, class_name: str) -> tuple[fx.GraphModule, list]:
+    """Copy ``sub`` into a standalone GraphModule; returns it and the values it takes.
+
+    Parameters read with ``get_attr`` stay in the owner and become inputs, so no parameter
+    changes owner; module calls inside the subgraph share the called module.
+    """
+    inputs = external_inputs([sub])
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    taken: list[fx.Node] = []
+    for value in inputs:
+        env[value] = graph.placeholder(_safe(value.name))
+        taken.append(value)
+    for node in sub.nodes:
+        if node.op == "get_attr":  # keep parameters where they are: pass them in
+            env[node] = graph.placeholder(_safe(node.name))
+            taken.append(node)
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[sub.output])
+    holder = nn.Module()
+    for node in sub.nodes:
+        if node.op == "call_module":
+            _copy_module(holder, str(node.target), owner.get_submodule(str(node.target)))
+    gm = fx.GraphModule(holder, graph, class_name=class_name)
+    # get_attr nodes were turned into inputs: they are read in the owner, before the call.
+    return gm, taken
+
+
+def _copy_module(holder: nn.Module, path: str, mod: nn.Module) -> None:
+    parts = path.split(".")
+    for part in parts[:-1]:
+        if not hasattr(holder, part):
+            holder.add_module(part, nn.Module())
+        holder = getattr(holder, part)
+    holder.add_module(parts[-1], mod)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+def unique_name(owner: nn.Module, name: str) -> str:
+    base = _safe(name) or "subgraph"
+    if not hasattr(owner, base):
+        return base
+    i = 0
+    while hasattr(owner, f"{base}_{i}"):
+        i += 1
+    return f"{base}_{i}"
+
+
+def substitute(
+    owner_sch: Schedule,
+    subs: list[Subgraph],
+    module: nn.Module,
+    name: str,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Call ``module(*args, **kwargs)`` in place of ``subs``; output i feeds chain i's users.
+
+    With one subgraph the module's output replaces the subgraph's output; with several
+    (horizontal fusion) the module returns a tuple with one element per subgraph.
+    Returns the name under which the module is registered in the owner.
+    """
+    gm: fx.GraphModule = owner_sch.mod
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((n for s in subs for n in s.nodes), key=order.__getitem__)
+    arg_nodes = [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, fx.Node)]
+    late = [a for a in arg_nodes if order[a] > order[first] and not _inside(a, subs)]
+    if late:
+        raise PrimitiveError(
+            f"the subgraphs read {', '.join(a.name for a in late)}, computed after they start; "
+            "they cannot be replaced by one call"
+        )
+    name = unique_name(gm, name)
+    gm.add_submodule(name, module)
+    with graph.inserting_before(first):
+        if any(a.op == "get_attr" for a in arg_nodes):
+            args = [_hoist(graph, a) for a in args]
+        call = graph.call_module(name, tuple(args), dict(kwargs or {}))
+        outs: list[fx.Node] = [call]
+        if len(subs) > 1:
+            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(subs))]
+    for s, out in zip(subs, outs, strict=True):
+        s.output.replace_all_uses_with(out)
+    removed = {n for s in subs for n in s.nodes}
+    called = {str(n.target) for n in removed if n.op == "call_module"}
+    for node in sorted(removed, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    for node in list(graph.nodes):  # parameters read only by the removed nodes
+        if node.op == "get_attr" and not node.users:
+            graph.erase_node(node)
+    _drop_unused(gm, called)
+    graph.lint()
+    gm.recompile()
+    owner_sch.swap_module(gm)
+    return name
+
+
+def _inside(node: fx.Node, subs: list[Subgraph]) -> bool:
+    return any(node in s.nodes for s in subs)
+
+
+def _hoist(graph: fx.Graph, value: Any) -> Any:
+    # A get_attr inside the subgraph is about to be erased: read the parameter again here.
+    if isinstance(value, fx.Node) and value.op == "get_attr":
+        return graph.get_attr(str(value.target))
+    return value
+
+
+def _drop_unused(gm: fx.GraphModule, targets: set[str]) -> None:
+    """Remove the submodules whose every call was replaced (their parameters go with them)."""
+    still = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+    for target in targets:
+        if any(s == target or s.startswith(target + ".") for s in still):
+            continue
+        owner_path, _, attr = target.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        delattr(owner, attr)
+
+
+def replace_subgraph(
+    sch: Schedule, new_module: nn.Module, subgraph: Any, name: str | None = None
+) -> str | None:
+    """Replace one matched chain, or several parallel chains (horizontal fusion), by a module.
+
+    One chain: ``new_module`` is called with the chain's inputs (the pattern's arguments in
+    order, or a module call's own arguments) and its output replaces the chain's output.
+    Several chains: it is called once with the distinct inputs of all chains, in first-use
+    order, and must return a tuple whose i-th element replaces the i-th chain's output.
+
+    Example:
+        >>> qkv = attn.find(r"[qkv]_proj")  # three module calls on the same input
+        >>> attn.replace(FusedQKV(...), qkv)  # FusedQKV(x) -> (q, k, v)
+    """
+    subs = normalize(sch, subgraph, "replace")
+    if not subs:
+        return None
+    owner = owner_of(sch, subs, "replace")
+    for s in subs:
+        check_closed(s, "replace")
+    name = name or type(new_module).__name__.lower()
+    if len(subs) == 1:
+        s = subs[0]
+        single_call = len(s.nodes) == 1 and s.output.op == "call_module"
+        args = list(s.output.args) if single_call else _chain_inputs(s)
+        kwargs = dict(s.output.kwargs) if single_call else {}
+        return substitute(owner, subs, new_module, name, args, kwargs)
+    return substitute(owner, subs, new_module, name, external_inputs(subs))
+
+
+def _chain_inputs(sub: Subgraph) -> list[Any]:
+    if sub.inputs and all(v is not None for v in sub.inputs):
+        return list(sub.inputs)
+    return list(external_inputs([sub]))
