@@ -3,6 +3,7 @@
 from . import (  # noqa: F401  (importing registers the primitives)
     annotate,
     checkpoint,
+    cut_pipeline_stage,
     decompose,
     find,
     fork_rng,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,9 +18,14 @@ OptimizerSpec = type[torch.optim.Optimizer] | Callable[..., torch.optim.Optimize
 
 
 def make_optimizer(
-    model: nn.Module, optimizer: OptimizerSpec, optimizer_kwargs: dict[str, Any] | None
+    model: nn.Module | Iterable[torch.Tensor],
+    optimizer: OptimizerSpec,
+    optimizer_kwargs: dict[str, Any] | None,
 ) -> torch.optim.Optimizer | None:
-    """Build ``optimizer(model.parameters(), **optimizer_kwargs)``, or None when not asked for."""
+    """Build ``optimizer(trainable params, **optimizer_kwargs)``, or None when not asked for.
+
+    ``model`` is a module (its parameters are used) or the parameters themselves.
+    """
     if optimizer is None:
         if optimizer_kwargs:
             raise TargetError(
@@ -34,7 +39,8 @@ def make_optimizer(
         )
     if not callable(optimizer):
         raise TargetError(f"optimizer= must be an optimizer class or a callable, got {optimizer!r}")
-    params = [p for p in model.parameters() if p.requires_grad]
+    source = model.parameters() if isinstance(model, nn.Module) else model
+    params = [p for p in source if p.requires_grad]
     return optimizer(params, **(optimizer_kwargs or {}))
 
 

@@ -1,0 +1,105 @@
+"""The ``"roundpipe"`` target: train the scheduled model on the RoundPipe runtime.
+
+All model state stays in CPU memory and layers stream round-robin to the devices. The layers are
+the children of an ``nn.Sequential`` root, or RoundPipe's family preset (Llama, Qwen3, GPT-2) or
+its size heuristic otherwise. Pipeline cuts (``cut_pipeline_stage``) become RoundPipe's stage
+plan: a cut after a module ends a stage after the RoundPipe layer that holds it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from ..exceptions import TargetError
+from .eager import OptimizerSpec, make_optimizer
+from .registry import register_dialect
+
+if TYPE_CHECKING:
+    from ..schedule import Schedule
+
+_CUT = "cut_pipeline_stage"
+
+
+@register_dialect("runtime_engine", "roundpipe")
+def build_roundpipe(
+    sch: Schedule,
+    num_microbatch: int | None = None,
+    run_config: Any = None,
+    pin_model: str = "alloc",
+    optimizer: OptimizerSpec = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    **roundpipe_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Wrap the scheduled model with RoundPipe; returns ``(roundpipe_model, optimizer)``.
+
+    Args:
+        num_microbatch: microbatches per step (ignored when ``run_config`` is given).
+        run_config: a ``roundpipe.RoundPipeRunConfig``.
+        pin_model: ``"alloc"``, ``"register"`` or ``"off"`` (pinning only where a device has it).
+        optimizer: e.g. ``roundpipe.optim.Adam``; created over ``model.optim_parameters()``.
+        **roundpipe_kwargs: passed to ``roundpipe.wrap_model_to_roundpipe``.
+
+    Example:
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+        >>> sch["1"].cut_pipeline_stage()
+        >>> model, opt = slapo.build(sch, target="roundpipe", num_microbatch=2,
+        ...                          optimizer=roundpipe.optim.Adam)
+        >>> loss = model.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 1),
+        ...                               loss_fn=lambda out, y: ((out - y) ** 2).mean() / 2)
+    """
+    import roundpipe
+
+    if run_config is None:
+        run_config = roundpipe.RoundPipeRunConfig(num_microbatch=num_microbatch)
+    elif num_microbatch is not None:
+        raise TargetError("pass num_microbatch inside run_config, not both")
+    root = sch.mod
+    layers = list(root) if isinstance(root, nn.Sequential) else None
+    model = roundpipe.wrap_model_to_roundpipe(
+        root, layers=layers, model_run_config=run_config, pin_model=pin_model, **roundpipe_kwargs
+    )
+    cuts = [r.path for r in sch.metadata.primitives if r.name == _CUT]
+    if cuts:
+        if run_config.execute_plan is not None:
+            raise TargetError(
+                "the schedule has pipeline cuts and run_config has an execute_plan: keep one"
+            )
+        layer_list = getattr(model, "layers", None)
+        if layer_list is None:
+            raise TargetError(
+                "pipeline cuts need a model RoundPipe splits into a layer list (an nn.Sequential "
+                f"or a Llama/Qwen3/GPT-2 model); {type(root).__name__} went to the size heuristic"
+            )
+        run_config.execute_plan = stage_plan(layer_list, [(p, root.get_submodule(p)) for p in cuts])
+    return model, make_optimizer(model.optim_parameters(), optimizer, optimizer_kwargs)
+
+
+def stage_plan(layers: list[nn.Module], cuts: list[tuple[str, nn.Module]]) -> Any:
+    """A RoundPipe plan whose stages end after the layers holding the cut modules."""
+    import roundpipe
+
+    ends = sorted({_layer_index(layers, path, module) for path, module in cuts})
+    if ends[-1] == len(layers) - 1:
+        raise TargetError(
+            f"a cut after the last RoundPipe layer ({len(layers) - 1}) leaves an empty stage; "
+            "remove the cut after the model's last module"
+        )
+    bounds = [-1, *ends, len(layers) - 1]
+    stages = [range(a + 1, b + 1) for a, b in zip(bounds, bounds[1:])]
+    plan = roundpipe.ModelExecutePlan()
+    plan.fwd_plan = stages
+    plan.bwd_plan = stages[::-1]
+    plan.check_valid(len(layers), "fused")
+    return plan
+
+
+def _layer_index(layers: list[nn.Module], path: str, module: nn.Module) -> int:
+    members = set(module.modules())
+    hits = [
+        i for i, layer in enumerate(layers) if module in set(layer.modules()) or layer in members
+    ]
+    if not hits:
+        raise TargetError(f'cut_pipeline_stage on "{path}": no RoundPipe layer holds this module')
+    return max(hits)
