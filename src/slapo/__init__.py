@@ -11,7 +11,7 @@ Example:
 from dataclasses import dataclass, field  # noqa: F401  (re-exported by the reference API)
 from functools import partial  # noqa: F401
 
-from . import env, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
+from . import env, model_schedule, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
 from .build import build
 from .checkpoint_io import export_safetensors, load_checkpoint, save_checkpoint
 from .consolidate import consolidate_model
@@ -50,6 +50,7 @@ __all__ = [
     "analyze_tie_weights",
     "consolidate_model",
     "env",
+    "model_schedule",
     "export_safetensors",
     "load_checkpoint",
     "save_checkpoint",

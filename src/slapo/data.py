@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["default_corpus", "ByteBatches", "VOCAB_SIZE"]
+__all__ = ["default_corpus", "ByteBatches", "MaskedByteBatches", "VOCAB_SIZE", "MASK_ID"]
 
 VOCAB_SIZE = 256  # one token per byte
+MASK_ID = 0  # the NUL byte never occurs in source text: the [MASK] token of masked-LM batches
 
 
 def default_corpus(max_bytes: int = 4_000_000) -> bytes:
@@ -72,3 +73,31 @@ class ByteBatches:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.generator.set_state(state["generator"])
+
+
+class MaskedByteBatches(ByteBatches):
+    """Masked-LM batches (BERT): ``mask_prob`` of the positions become ``MASK_ID``; only they
+    carry a label (the others are -100). Reproducible by seed, like :class:`ByteBatches`.
+
+    Example:
+        >>> batch = MaskedByteBatches(default_corpus(20_000), 2, 16, seed=0).next()
+        >>> bool(((batch["labels"] == -100) | (batch["input_ids"] == MASK_ID)).all())
+        True
+    """
+
+    def __init__(
+        self, corpus: bytes, batch_size: int, seq_len: int, seed: int = 0, mask_prob: float = 0.15
+    ) -> None:
+        super().__init__(corpus, batch_size, seq_len, seed)
+        if not 0 < mask_prob < 1:
+            raise ValueError(f"mask_prob must lie in (0, 1), got {mask_prob}")
+        self.mask_prob = mask_prob
+
+    def next(self) -> dict[str, torch.Tensor]:
+        ids = super().next()["input_ids"]
+        masked = torch.rand(ids.shape, generator=self.generator) < self.mask_prob
+        masked[:, 0] = True  # at least one label per row
+        return {
+            "input_ids": ids.masked_fill(masked, MASK_ID),
+            "labels": ids.masked_fill(~masked, -100),
+        }

@@ -73,6 +73,69 @@ def test_cli_train_writes_metrics_and_prints_a_summary(tmp_path):
     assert bad.returncode != 0 and "--steps must be positive" in bad.stderr
 
 
+@pytest.mark.parametrize("model", ["gpt2", "bert", "opt", "t5"])
+def test_every_model_family_trains_with_its_schedule(model):
+    out = train(TrainConfig(model=model, ckpt_ratio=1.0, **SMALL))
+    assert out["checkpointed_layers"] > 0 and all(x == x for x in out["losses"])
+
+
+def test_compare_runs_baseline_and_schedule_side_by_side(tmp_path):
+    from slapo.train import format_summary
+
+    out = train(TrainConfig(compare=True, ckpt_ratio=1.0, output_dir=str(tmp_path), **SMALL))
+    base = out["baseline"]
+    assert base["checkpointed_layers"] == 0 and out["checkpointed_layers"] == 4
+    assert base["losses"] == out["losses"]  # checkpointing changes no numerics
+    assert out["activation_mb"] < base["activation_mb"]
+    table = format_summary(out)
+    assert "unscheduled" in table and "scheduled / unscheduled tokens/s" in table
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["baseline"]["losses"] == metrics["losses"] and len(metrics["losses"]) == 3
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_resume_continues_the_uninterrupted_loss_curve(tmp_path):
+    cfg = {**SMALL, "model": "gpt2", "fused_loss": True}  # gpt2 has dropout: RNG state matters
+    full = train(TrainConfig(**{**cfg, "steps": 5}))
+    train(TrainConfig(**{**cfg, "steps": 2}, save=str(tmp_path / "ckpt.pt")))
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically
+    rest = train(TrainConfig(**{**cfg, "steps": 5}, resume=str(tmp_path / "ckpt.pt")))
+    assert rest["losses"] == full["losses"]
+
+
+def test_bad_options_are_clear_errors(tmp_path):
+    from slapo.exceptions import SlapoError
+
+    with pytest.raises(SlapoError, match="--tp 2 needs 2 processes"):
+        train(TrainConfig(tp=2, **SMALL))
+    with pytest.raises(SlapoError, match="--resume .*: no such checkpoint"):
+        train(TrainConfig(resume=str(tmp_path / "missing.pt"), **SMALL))
+    with pytest.raises(SlapoError, match="--model must be one of"):
+        train(TrainConfig(model="falcon", **SMALL))
+
+
+def test_roundpipe_target_trains():
+    out = train(TrainConfig(target="roundpipe", **SMALL))
+    assert len(out["losses"]) == 3 and all(x == x for x in out["losses"])
+
+
+@pytest.mark.slow
+def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
+    args = ["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--no-progress", "--json"]
+    one = subprocess.run(
+        [sys.executable, "-m", "slapo", "train", *args], capture_output=True, text=True, timeout=240
+    )
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", "29517", "-m", "slapo", "train", "--tp", "2", *args],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    loss_one = json.loads(one.stdout.strip().splitlines()[-1])["final_loss"]
+    loss_two = json.loads(two.stdout.strip().splitlines()[-1])["final_loss"]
+    assert abs(loss_one - loss_two) < 1e-4, (loss_one, loss_two)
+
+
 def test_cli_lists_primitives(capsys):
     from slapo.cli import main
 

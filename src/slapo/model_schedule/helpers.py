@@ -1,0 +1,209 @@
+"""The building blocks the family schedules are written with: one small function per idea.
+
+Tensor parallelism follows Megatron-LM: q/k/v and the first MLP projection are column-parallel
+(output features split), the attention output and the second MLP projection are row-parallel
+(input features split, outputs all-reduced), and the input gradient of each parallel region is
+all-reduced. transformers 5 reshapes q/k/v with ``view(..., -1, head_dim)``, so sharded
+projections give each rank ``heads / world`` heads by themselves; attributes that still hold the
+global sizes are divided with :func:`divide_attrs` (GPT-2's ``split_size`` must be: it splits the
+fused q/k/v output).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..exceptions import SlapoError
+from ..schedule import Schedule
+
+__all__ = [
+    "blocks",
+    "column",
+    "row",
+    "enter",
+    "divide_attrs",
+    "tp_size",
+    "checkpoint_blocks",
+    "cut_stages",
+    "use_attention",
+    "require",
+]
+
+# Megatron sequence parallelism: gather the sequence entering a TP region, reduce-scatter leaving.
+SP_GATHER = {"sync_op_or_fn": "all_gather", "dim": 1, "bwd": "reduce_scatter"}
+
+
+def blocks(sch: Schedule, *lists: str) -> list[str]:
+    """The paths of every block of the given layer lists, in order.
+
+    Example:
+        >>> blocks(sch, "transformer.h")
+        ['transformer.h.0', 'transformer.h.1']
+    """
+    return [f"{path}.{name}" for path in lists for name in sch[path].child]
+
+
+def _is_linear(mod: nn.Module) -> bool:
+    # transformers' Conv1D (GPT-2) stores its weight transposed (in x out); nn.Linear (out x in).
+    return type(mod).__name__ != "Conv1D"
+
+
+def column(sch: Schedule, path: str, fused: int = 1) -> None:
+    """Column-parallel linear: split the output features (and the bias, if any)."""
+    mod = sch[path].mod
+    sch[path].shard("weight", axis=0 if _is_linear(mod) else 1, fused=fused)
+    if getattr(mod, "bias", None) is not None:
+        sch[path].shard("bias", axis=0, fused=fused)
+
+
+def row(sch: Schedule, path: str, sequence_parallel: bool = False) -> None:
+    """Row-parallel linear: split the input features; all-reduce (or reduce-scatter) the output."""
+    sch[path].shard("weight", axis=1 if _is_linear(sch[path].mod) else 0)
+    if sequence_parallel:
+        sch[path].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", dim=1)
+    else:
+        sch[path].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
+
+
+def enter(sch: Schedule, path: str, sequence_parallel: bool = False) -> None:
+    """The start of a TP region: all-reduce the input gradient (or all-gather the sequence)."""
+    if sequence_parallel:
+        sch[path].sync(mode="fwd_pre", **SP_GATHER)
+    else:
+        sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+
+
+def tp_size(sch: Schedule) -> int:
+    """The size of the schedule's tensor-parallel group."""
+    from ..sharding import resolve_group
+
+    return dist.get_world_size(resolve_group(sch.group))
+
+
+def divide_attrs(sch: Schedule, path: str, *attrs: str) -> None:
+    """Divide the global-size attributes of a sharded module by the TP size (heads, widths)."""
+    mod, world = sch[path].mod, tp_size(sch)
+    for attr in attrs:
+        value = getattr(mod, attr)
+        if value % world:
+            raise SlapoError(
+                f'tensor parallelism over {world} ranks: "{path}.{attr}" = {value} does not '
+                f"divide by {world}; choose a group size that divides the heads"
+            )
+        setattr(mod, attr, value // world)
+
+
+def checkpoint_blocks(sch: Schedule, paths: list[str], ratio: float) -> list[str]:
+    """Checkpoint the first ``ceil(ratio * len(paths))`` blocks; returns their paths."""
+    chosen = paths[: math.ceil(ratio * len(paths))]
+    for path in chosen:
+        sch[path].checkpoint()
+    if chosen:
+        # A recomputed block must not see the key/value cache its first run filled (transformers
+        # turns the cache off under its own gradient checkpointing too).
+        configs = {id(m.config): m.config for m in sch.mod.modules() if hasattr(m, "config")}
+        for config in configs.values():
+            config.use_cache = False
+    return chosen
+
+
+def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
+    """Cut the blocks into ``num_stages`` pipeline stages of near-equal size; returns the cuts."""
+    if num_stages > len(paths):
+        raise SlapoError(
+            f"num_stages={num_stages} exceeds the {len(paths)} blocks of the model; a stage "
+            "holds at least one block"
+        )
+    # Stage k ends after block round(n * (k + 1) / stages) - 1.
+    cuts = [paths[round(len(paths) * (k + 1) / num_stages) - 1] for k in range(num_stages - 1)]
+    for path in cuts:
+        sch[path].cut_pipeline_stage()
+    return cuts
+
+
+def use_attention(sch: Schedule, attn_op: str | None) -> int:
+    """Route every attention module of a transformers model through ``slapo.op.attention``.
+
+    The kernel is registered with transformers' ``AttentionInterface`` as ``"slapo"`` and each
+    attention module carries its choice (``slapo_attention_impl``). Returns the modules switched.
+    """
+    if attn_op is None:
+        return 0
+    from ..op import register_transformers_attention
+
+    model = sch.mod
+    config = getattr(model, "config", None)
+    if config is None:
+        raise SlapoError(f"attn_op={attn_op!r} needs a transformers model (with .config)")
+    if any(hasattr(m, "has_relative_attention_bias") for m in model.modules()):
+        # T5 hands its relative position bias over as position_bias=, apart from the mask.
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+        name = "slapo_position_bias"
+        AttentionInterface.register(name, _attention_with_position_bias)
+        AttentionMaskInterface.register(name, eager_mask)  # explicit (causal) masks, as eager
+    else:
+        name = register_transformers_attention()
+    switched = 0
+    for mod in model.modules():
+        if getattr(mod, "config", config) is not config and hasattr(mod, "config"):
+            mod.config._attn_implementation = name  # sub-configs (e.g. a T5 stack's copy)
+        if type(mod).__name__.endswith(("Attention", "SelfAttention")) and _calls_interface(mod):
+            mod.slapo_attention_impl = attn_op
+            switched += 1
+    if not switched:
+        raise SlapoError(
+            f"attn_op={attn_op!r}: no attention module of {type(model).__name__} uses "
+            "transformers' AttentionInterface, so the kernel cannot be switched"
+        )
+    config._attn_implementation = name
+    return switched
+
+
+def _attention_with_position_bias(
+    module: nn.Module,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    position_bias: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers attention signature; the position bias joins the additive mask."""
+    from ..op import attention
+
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[:, :, :, : key.shape[-2]]
+    if mask is not None and mask.dtype == torch.bool:  # masking_utils may give a boolean mask
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, float("-inf")
+        )
+    if position_bias is not None:
+        mask = position_bias if mask is None else position_bias + mask
+    impl = getattr(module, "slapo_attention_impl", "auto")
+    out = attention(query, key, value, mask, dropout, False, scaling, impl)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _calls_interface(mod: nn.Module) -> bool:
+    import inspect
+
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(mod).forward)
+    except (OSError, TypeError):
+        return False
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise a :class:`SlapoError` with ``message`` unless ``condition`` holds."""
+    if not condition:
+        raise SlapoError(message)

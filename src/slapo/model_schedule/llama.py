@@ -1,0 +1,42 @@
+"""Llama, and the families sharing its layout: Mistral, Qwen2 and Qwen3 (dense)."""
+
+from __future__ import annotations
+
+from ..schedule import Schedule
+from .fusion import install_fused_loss
+from .helpers import (
+    blocks,
+    checkpoint_blocks,
+    column,
+    cut_stages,
+    enter,
+    require,
+    row,
+    use_attention,
+)
+from .knobs import Knobs
+from .registry import register_schedule
+
+
+@register_schedule("llama", "mistral", "qwen2", "qwen3")
+def llama(sch: Schedule, k: Knobs) -> None:
+    """The Llama plan (``LlamaForCausalLM`` and look-alikes); K/V heads must divide by TP size."""
+    layers = blocks(sch, "model.layers")
+    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
+    require(not k.fuse_ops, "fuse_ops: llama has nothing to fuse (its MLP is SiLU-gated and "
+            "bias-free, its residuals carry no bias)")
+    if k.tensor_parallel:
+        for blk in layers:
+            for proj in ("q_proj", "k_proj", "v_proj"):  # Qwen2 gives these a bias
+                column(sch, f"{blk}.self_attn.{proj}")
+            row(sch, f"{blk}.self_attn.o_proj")
+            enter(sch, f"{blk}.self_attn")
+            for proj in ("gate_proj", "up_proj"):
+                column(sch, f"{blk}.mlp.{proj}")
+            row(sch, f"{blk}.mlp.down_proj")
+            enter(sch, f"{blk}.mlp")
+    use_attention(sch, k.attn_op)
+    checkpoint_blocks(sch, layers, k.ckpt_ratio)
+    if k.fused_loss:
+        install_fused_loss(sch, "lm_head", shift=True)
+    cut_stages(sch, layers, k.num_stages)

@@ -1,0 +1,53 @@
+"""T5 (encoder-decoder): Megatron tensor parallelism of self/cross attention and the MLP; the
+relative position bias is sharded over the heads."""
+
+from __future__ import annotations
+
+from ..schedule import Schedule
+from .fusion import install_fused_loss
+from .helpers import (
+    blocks,
+    checkpoint_blocks,
+    column,
+    cut_stages,
+    divide_attrs,
+    enter,
+    require,
+    row,
+    use_attention,
+)
+from .knobs import Knobs
+from .registry import register_schedule
+
+
+@register_schedule("t5")
+def t5(sch: Schedule, k: Knobs) -> None:
+    """The T5 plan (``T5ForConditionalGeneration``); stages cut the encoder and decoder blocks."""
+    layers = blocks(sch, "encoder.block", "decoder.block")
+    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
+    require(not k.fuse_ops, "fuse_ops: t5 has nothing to fuse (bias-free ReLU MLP)")
+    if k.tensor_parallel:
+        for blk in layers:
+            for layer in sch[f"{blk}.layer"].child.values():
+                kind = next(iter(layer.child))  # SelfAttention, EncDecAttention or DenseReluDense
+                path = f"{layer.path}.{kind}"
+                if kind == "DenseReluDense":
+                    column(sch, f"{path}.wi")
+                    row(sch, f"{path}.wo")
+                    enter(sch, path)
+                    continue
+                for proj in ("q", "k", "v"):
+                    column(sch, f"{path}.{proj}")
+                row(sch, f"{path}.o")
+                enter(sch, path)  # the gradient of hidden_states (into q)
+                if kind == "EncDecAttention":  # and of the encoder states, into k and v
+                    enter(sch, f"{path}.k")
+                    enter(sch, f"{path}.v")
+                divide_attrs(sch, path, "n_heads", "inner_dim")
+                if "relative_attention_bias" in sch[path].child:
+                    sch[f"{path}.relative_attention_bias"].shard("weight", axis=1)  # heads
+    use_attention(sch, k.attn_op)
+    checkpoint_blocks(sch, layers, k.ckpt_ratio)
+    if k.fused_loss:
+        install_fused_loss(sch, "lm_head", shift=False)
+    cut_stages(sch, layers, k.num_stages)
