@@ -263,14 +263,6 @@ class Runner:
         target = cfg.target if cfg.target != "eager" else None
         if cfg.target in ("ddp", "fsdp"):
             opt["group"] = layout.dp_group
-        if cfg.target == "roundpipe":
-            from .targets import get_dialect_cls
-
-            if get_dialect_cls("runtime_engine", "roundpipe", allow_none=True) is None:
-                raise TargetError(
-                    "target 'roundpipe' is not available yet: no slapo build target is registered "
-                    "for it (slapo.targets.list_targets() lists the available ones)"
-                )
         if cfg.target == "pipeline":
             if cfg.model not in CAUSAL:
                 raise TargetError(f"--target pipeline supports {CAUSAL} in slapo train, not {cfg.model}")
