@@ -384,11 +384,18 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         3
     """
     _check(cfg)
-    layout = setup_layout(cfg)
-    runs = []
-    if cfg.compare:
-        runs.append(run_once(replace(cfg, save=None), layout, scheduled=False, label="unscheduled"))
-    runs.append(run_once(cfg, layout, scheduled=not cfg.unscheduled, label="scheduled"))
+    started_group = not dist.is_initialized()
+    try:
+        layout = setup_layout(cfg)
+        runs = []
+        if cfg.compare:
+            runs.append(run_once(replace(cfg, save=None), layout, scheduled=False, label="unscheduled"))
+        runs.append(run_once(cfg, layout, scheduled=not cfg.unscheduled, label="scheduled"))
+    finally:
+        if started_group and dist.is_initialized():  # leave the process as we found it
+            from . import env
+
+            env.teardown()
     summary = {"config": asdict(cfg), "world_size": layout.world, **runs[-1]}
     if cfg.compare:
         summary["baseline"] = runs[0]

@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from hf_models import llama
 from torch import nn
 
 import roundpipe
 import slapo
 from roundpipe import device, optim_stream
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from hf_models import llama  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

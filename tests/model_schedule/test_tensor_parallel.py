@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from schedule_jobs import tp_job
+
 from dist_utils import check_all, run_workers
-from jobs import tp_job
 
 NAMES = [
     "gpt2", "llama", "bert", "opt", "t5", "qwen2 (biased q/k/v)", "gpt2 sequence parallel",

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 
 import hf_models
-import jobs
 import pytest
 import torch
-from dist_utils import check_all, run_workers
+import tp_jobs as jobs
 
 import slapo
+from dist_utils import check_all, run_workers
 from slapo.checkpoint_io import CheckpointError, load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]

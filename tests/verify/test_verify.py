@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from hf_models import batch, make
 from torch import nn
 
 import slapo
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from hf_models import batch, make  # noqa: E402
 
 
 def mlp():

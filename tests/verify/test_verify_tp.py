@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tp"))
-from dist_utils import check_all, run_workers  # noqa: E402
+from dist_utils import check_all, run_workers
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -7,7 +7,7 @@ deepspeed) register themselves the same way.
 
 from __future__ import annotations
 
-from . import eager, roundpipe  # noqa: E402,F401,I001  (registration)
+from . import ddp, deepspeed, eager, fsdp, pipeline, roundpipe  # noqa: E402,F401,I001  (registration)
 from .registry import get_dialect_cls, init_target_engine, list_targets, register_dialect
 
 __all__ = ["get_dialect_cls", "init_target_engine", "list_targets", "register_dialect"]

@@ -5,20 +5,13 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
-
-HERE = Path(__file__).resolve().parent
-for extra in (HERE, HERE.parent / "core"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
 
 
 def free_port() -> int:
@@ -41,11 +34,14 @@ def _entry(fn: Callable, rank: int, world: int, port: int, out: str, timeout: fl
         result = {"ok": False, "error": traceback.format_exc()}
     with open(out, "wb") as f:
         pickle.dump(result, f)
-    slapo.env.teardown()
+    try:
+        slapo.env.teardown()
+    except Exception:  # noqa: BLE001  (a group already torn down by a failing pipeline)
+        pass
 
 
 def run_workers(
-    fn: Callable, world: int, args: tuple = (), timeout: float = 60.0, deadline: float = 150.0
+    fn: Callable, world: int, args: tuple = (), timeout: float = 60.0, deadline: float = 180.0
 ) -> list[dict[str, Any]]:
     """Run ``fn(rank, world, *args)`` in ``world`` processes; never waits past ``deadline``.
 
@@ -54,7 +50,7 @@ def run_workers(
     """
     ctx = mp.get_context("spawn")
     port = free_port()
-    tmp = tempfile.mkdtemp(prefix="slapo-tp-")
+    tmp = tempfile.mkdtemp(prefix="slapo-dist-")
     outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world)]
     procs = [
         ctx.Process(target=_entry, args=(fn, r, world, port, outs[r], timeout, args))
@@ -97,3 +93,9 @@ def run_checks(checks: dict[str, Callable[[], None]]) -> dict[str, str | None]:
         except Exception:  # noqa: BLE001  (reported per check)
             report[name] = traceback.format_exc()
     return report
+
+
+def assert_check(reports: list[dict[str, str | None]], name: str) -> None:
+    """Fail with every rank's traceback for the named check of :func:`run_checks`."""
+    errors = [f"rank {r}:\n{rep[name]}" for r, rep in enumerate(reports) if rep[name]]
+    assert not errors, "\n".join(errors)

@@ -9,10 +9,10 @@ import plans
 import torch
 import torch.distributed as dist
 import transformers
-from dist_utils import run_checks
 from torch import nn
 
 import slapo
+from dist_utils import run_checks
 from slapo.sharding import count_collectives, get_shard_spec
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}

@@ -8,10 +8,10 @@ import copy
 import hf_models
 import torch
 import transformers
-from dist_utils import run_checks
 from torch import nn
 
 import slapo
+from dist_utils import run_checks
 from slapo.model_schedule import apply_schedule
 from slapo.sharding import allreduce_sequence_parallel_grads, get_shard_spec
 

@@ -1,0 +1,285 @@
+"""Pipeline jobs (run in spawned gloo workers): single-process loss and gradients are the oracle."""
+
+from __future__ import annotations
+
+import time
+
+import hf_models
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import slapo
+from slapo.exceptions import TargetError
+from slapo.pipeline import PipelineError
+
+MICRO = 2
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+CUTS = {
+    ("gpt2", 2): ["transformer.h.0"],
+    ("gpt2", 4): ["transformer.h.0", "transformer.h.1", "transformer.ln_f"],
+    ("llama", 2): ["model.layers.1"],
+    ("llama", 4): ["model.layers.0", "model.layers.1", "model.layers.2"],
+}
+# A cut right after the embeddings: stage 0 hands on a value that only stage 2 uses.
+GPT2_AT_DROP = ["transformer.drop", "transformer.h.0", "transformer.h.1"]
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def make(family: str) -> nn.Module:
+    return hf_models.make(family, dropout=0.0, **({"layers": 4} if family == "llama" else {}))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(
+        1, hf_models.VOCAB, (4, hf_models.SEQ), generator=torch.Generator().manual_seed(3)
+    )
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def reference(family: str, micro: int = MICRO) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean microbatch loss of one process, and the gradient of every name of every parameter."""
+    model = make(family)
+    ids, labels = data()
+    losses = [
+        loss_fn(model(input_ids=x, use_cache=False).logits, y)
+        for x, y in zip(ids.chunk(micro), labels.chunk(micro))
+    ]
+    loss = torch.stack(losses).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return loss.detach(), grads
+
+
+def build(family: str, stages: int, schedule: str, cuts=None, micro: int = MICRO):
+    sch = slapo.create_schedule(make(family))
+    for path in cuts or CUTS[(family, stages)]:
+        sch[path].cut_pipeline_stage()
+    return slapo.build(
+        sch,
+        target="pipeline",
+        schedule=schedule,
+        num_microbatches=micro,
+        loss_fn=loss_fn,
+        example_inputs=data()[0],
+        optimizer=torch.optim.SGD,
+        optimizer_kwargs={"lr": 0.1},
+    )
+
+
+def check_equivalence(
+    family: str, stages: int, schedule: str, cuts=None, micro: int = MICRO
+) -> None:
+    ref_loss, ref_grads = reference(family, micro)
+    engine, _ = build(family, stages, schedule, cuts, micro)
+    ids, labels = data()
+    loss = engine.step(ids, target=labels)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    names = [n for n, _ in engine.named_parameters()]
+    assert names and set(names) <= set(ref_grads), set(names) - set(ref_grads)
+    for name, p in engine.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad, ref_grads[name], **TOL, msg=lambda m, n=name: n + m)
+
+
+def check_pp_tp(family: str, world: int) -> None:
+    """2 stages x 2 tensor ranks: the single-process loss, and each rank's slice of the grads."""
+    import plans
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slapo.sharding import get_shard_spec
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+    ref_loss, ref_grads = reference(family)
+    sch = slapo.create_schedule(make(family), group=mesh["tp"])
+    plans.PLANS[family](sch, world // 2, **({"vocab_parallel": False} if family == "gpt2" else {}))
+    specs = {n: get_shard_spec(p) for n, p in sch.mod.named_parameters(remove_duplicate=False)}
+    sch[CUTS[(family, 2)][0]].cut_pipeline_stage()
+    engine, _ = slapo.build(
+        sch,
+        target="pipeline",
+        schedule="1F1B",
+        num_microbatches=MICRO,
+        loss_fn=loss_fn,
+        example_inputs=data()[0],
+        group=mesh,
+    )
+    ids, labels = data()
+    loss = engine.step(ids, target=labels)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    sharded = 0
+    for name, p in engine.named_parameters():
+        spec = specs[name]
+        sharded += spec is not None
+        want = ref_grads[name] if spec is None else spec.local_slice(ref_grads[name])
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad, want, **TOL, msg=lambda m, n=name: n + m)
+    assert sharded, "no tensor-parallel parameter on this stage"
+
+
+def check_all_params_covered(world: int) -> None:
+    """Every parameter of the model is on some stage, under its own name; the table lists them."""
+    import torch.distributed as dist
+
+    engine, opt = build("gpt2", world, "1F1B")
+    mine = [n for n, _ in engine.named_parameters()]
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    held = set().union(*map(set, everyone))
+    model_names = {n for n, _ in make("gpt2").named_parameters(remove_duplicate=False)}
+    assert held == model_names, held ^ model_names
+    assert len(engine.table) == world and sum(r.params for r in engine.table) > 0
+    assert "transformer.h.0" in engine.table[0 if world == 2 else 1].layers
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for p in engine.parameters()
+    }
+
+
+def check_training_keeps_ties() -> None:
+    """After optimizer steps, the two copies of GPT-2's tied embedding stay equal."""
+    import torch.distributed as dist
+
+    engine, opt = build("gpt2", 2, "GPipe")
+    ids, labels = data()
+    for _ in range(2):
+        opt.zero_grad()
+        engine.step(ids, target=labels)
+        opt.step()
+    params = dict(engine.named_parameters())
+    mine = params.get("transformer.wte.weight", params.get("lm_head.weight"))
+    both: list = [None] * 2
+    dist.all_gather_object(both, mine.detach())
+    torch.testing.assert_close(both[0], both[1], rtol=0, atol=0)
+
+
+def expect(exc_type, text: str, fn) -> None:
+    try:
+        fn()
+    except exc_type as exc:
+        assert text in str(exc), f"{text!r} not in: {exc}"
+    else:
+        raise AssertionError(f"no {exc_type.__name__} mentioning {text!r}")
+
+
+def check_bad_input(world: int) -> None:
+    expect(
+        TargetError,
+        "more stages than",
+        lambda: build("gpt2", world * 2, "1F1B", CUTS[("gpt2", 4)]),
+    )
+    sch = slapo.create_schedule(make("gpt2"))
+    sch["transformer.h.0"].cut_pipeline_stage()
+    expect(
+        TargetError,
+        "num_microbatches=3",
+        lambda: slapo.build(
+            sch, target="pipeline", num_microbatches=3, loss_fn=loss_fn, example_inputs=data()[0]
+        ),
+    )
+    expect(
+        TargetError,
+        "example_inputs",
+        lambda: slapo.build(sch, target="pipeline", num_microbatches=2, loss_fn=loss_fn),
+    )
+    expect(TargetError, "loss_fn", lambda: slapo.build(sch, target="pipeline", num_microbatches=2))
+    expect(
+        TargetError,
+        "Nope",
+        lambda: slapo.build(
+            sch,
+            target="pipeline",
+            schedule="Nope",
+            num_microbatches=2,
+            loss_fn=loss_fn,
+            example_inputs=data()[0],
+        ),
+    )
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(self.a(x)))
+
+    toy = slapo.create_schedule(Twice())
+    toy["a"].cut_pipeline_stage()
+    expect(
+        TargetError,
+        '"a" runs 2 times',
+        lambda: slapo.build(
+            toy,
+            target="pipeline",
+            num_microbatches=2,
+            loss_fn=F.mse_loss,
+            example_inputs=torch.randn(4, 4),
+        ),
+    )
+
+
+def check_stage_failure(rank: int, world: int, pg_timeout: float) -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(world)])
+    sch = slapo.create_schedule(model)
+    for i in range(world - 1):
+        sch[str(i)].cut_pipeline_stage()
+    engine, _ = slapo.build(
+        sch,
+        target="pipeline",
+        schedule="1F1B",
+        num_microbatches=world,
+        loss_fn=F.mse_loss,
+        example_inputs=torch.randn(4, 4),
+        timeout=30,
+    )
+    last = engine.stage_modules.get(world - 1)
+    if last is not None:  # make the last stage's layer raise
+        layer = last.get_submodule(str(world - 1))
+        layer.register_forward_pre_hook(
+            lambda *_: (_ for _ in ()).throw(ValueError("boom in the last stage"))
+        )
+    start = time.monotonic()
+    expect(
+        PipelineError,
+        "boom in the last stage",
+        lambda: engine.step(torch.randn(4, 4), target=torch.randn(4, 4)),
+    )
+    # Every rank fails with the stage's error. A rank that only woke at the gloo group's
+    # timeout (a failure that did not reach it) would take longer than that timeout: this is a
+    # bound on a hang, not a speed measurement.
+    assert time.monotonic() - start < pg_timeout / 2, "a rank waited for the group's timeout"
+
+
+def pp2_checks(rank: int, world: int, pg_timeout: float) -> dict:
+    """Checks of the 2-rank job; the failing stage goes last since it breaks the group's links."""
+    return {
+        "gpt2_gpipe": lambda: check_equivalence("gpt2", 2, "GPipe"),
+        "gpt2_1f1b": lambda: check_equivalence("gpt2", 2, "1F1B"),
+        "llama_gpipe": lambda: check_equivalence("llama", 2, "GPipe"),
+        "llama_1f1b": lambda: check_equivalence("llama", 2, "1F1B"),
+        # Two stages per rank, and stage 0 hands values on to stages 2 and 3.
+        "gpt2_interleaved": lambda: check_equivalence(
+            "gpt2", 4, "Interleaved1F1B", GPT2_AT_DROP, micro=4
+        ),
+        "params_and_table": lambda: check_all_params_covered(world),
+        "ties_stay_equal": check_training_keeps_ties,
+        "bad_input": lambda: check_bad_input(world),
+        "stage_failure": lambda: check_stage_failure(rank, world, pg_timeout),
+    }
+
+
+def pp4_checks(rank: int, world: int, pg_timeout: float) -> dict:
+    """Checks of the 4-rank job; the failing stage goes last."""
+    return {
+        "gpt2_gpipe": lambda: check_equivalence("gpt2", 4, "GPipe"),
+        "gpt2_1f1b": lambda: check_equivalence("gpt2", 4, "1F1B", micro=4),
+        "gpt2_cut_at_drop": lambda: check_equivalence("gpt2", 4, "GPipe", GPT2_AT_DROP),
+        "llama_gpipe": lambda: check_equivalence("llama", 4, "GPipe"),
+        "llama_1f1b": lambda: check_equivalence("llama", 4, "1F1B", micro=4),
+        "pp_x_tp_gpt2": lambda: check_pp_tp("gpt2", world),
+        "pp_x_tp_llama": lambda: check_pp_tp("llama", world),
+        "stage_failure": lambda: check_stage_failure(rank, world, pg_timeout),
+    }
