@@ -25,6 +25,7 @@ from .exceptions import (
 from .initialization import init_empty_weights
 from .logger import get_logger
 from .pattern import ModulePattern, Pattern, Subgraph, call_module
+from .pipeline import PipelineError
 from .primitives import Primitive, list_primitives, register_primitive
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .schedule import PrimitiveRecord, Schedule, ScheduleMetadata, create_schedule, is_module_list
@@ -38,6 +39,7 @@ from .verify import VerificationError, Verify
 __version__ = "0.1.0"
 
 __all__ = [
+    "PipelineError",
     "ModulePattern",
     "Pattern",
     "Subgraph",
