@@ -151,6 +151,7 @@ class PeakMemory:
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        t = _local(t)
         ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
         if ptr not in self._seen and ptr not in self._params:
             self._seen.add(ptr)
@@ -168,7 +169,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated() / 2**20
             return self
-        self._params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -179,11 +180,18 @@ class PeakMemory:
             return
         self._hooks.__exit__(*exc)
         self.next_step()
-        state = sum(2 * p.numel() * p.element_size() for p in self.model.parameters())  # + grads
+        state = sum(2 * _local(p).numel() * p.element_size() for p in self.model.parameters())
         for per_param in getattr(self.optimizer, "state", {}).values():
-            state += sum(v.numel() * v.element_size() for v in per_param.values()
+            state += sum(_local(v).numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))  # fmt: skip
         self.peak_mb = state / 2**20 + self.activation_mb
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2 and tensor-parallel parameters), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 # ----- distributed layout ---------------------------------------------------------------------

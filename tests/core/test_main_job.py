@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from dist_utils import free_port
 from slapo.data import ByteBatches, default_corpus
 from slapo.train import TrainConfig, default_schedule, train
 
@@ -127,13 +128,40 @@ def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
     )
     two = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", "29517", "-m", "slapo", "train", "--tp", "2", *args],
+         "--master-port", str(free_port()), "-m", "slapo", "train", "--tp", "2", *args],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
     loss_one = json.loads(one.stdout.strip().splitlines()[-1])["final_loss"]
     loss_two = json.loads(two.stdout.strip().splitlines()[-1])["final_loss"]
     assert abs(loss_one - loss_two) < 1e-4, (loss_one, loss_two)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_data_and_pipeline_parallel_start_from_the_one_process_loss(tmp_path):
+    """Rank 0's first batch is the one-process batch: every target's first loss must match it."""
+    args = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
+    runs = {
+        "one": [sys.executable, "-m", "slapo", "train"],
+        **{
+            target: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                     "--master-port", str(free_port()), "-m", "slapo", "train", "--target", target]
+            for target in ("ddp", "fsdp", "pipeline")
+        },
+    }  # fmt: skip
+    first = {}
+    for name, cmd in runs.items():
+        extra = ["--num-stages", "2"] if name == "pipeline" else []
+        out_dir = tmp_path / name
+        done = subprocess.run(
+            [*cmd, *args, *extra, "--output-dir", str(out_dir)],
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        first[name] = json.loads((out_dir / "metrics.json").read_text())["losses"][0]
+    for name in ("ddp", "fsdp", "pipeline"):
+        assert abs(first[name] - first["one"]) < 1e-4, first
 
 
 def test_cli_lists_primitives(capsys):
