@@ -226,6 +226,11 @@ class Adam(Optimizer):
         fp32 tensor unless its ``grad_dtype`` is set to ``None``; the shadow's own ``.grad``
         needs no such setting.) :meth:`zero_grad` clears ``shadow.grad`` too.
 
+        With RoundPipe's asynchronous step (``step(..., is_async=True)``) the runtime copies
+        updated weights back only after the next backward has taken its copy of a layer; a
+        shadow written during the optimizer step would bypass that ordering, so register shadows
+        only for synchronous steps (or tensors no device reads during the step).
+
         Args:
             master: An fp32 (or complex64) parameter of this optimizer.
             shadow: A tensor of the same shape on the same device, fp32, bf16 or fp16 (or the
