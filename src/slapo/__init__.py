@@ -13,7 +13,6 @@ from functools import partial  # noqa: F401
 
 from . import env, model_schedule, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
 from .build import build
-from .checkpoint_io import export_safetensors, load_checkpoint, save_checkpoint
 from .consolidate import consolidate_model
 from .exceptions import (
     PrimitiveError,
@@ -86,3 +85,18 @@ __all__ = [
     "register_primitive",
     "set_random_seed",
 ]
+
+# torch.distributed.checkpoint takes over a second to import: load it on first use.
+_LAZY = {
+    name: "checkpoint_io" for name in ("export_safetensors", "load_checkpoint", "save_checkpoint")
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'slapo' has no attribute '{name}'")

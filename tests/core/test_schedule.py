@@ -125,3 +125,12 @@ def test_nested_primitive_calls_record_only_the_outer_one():
 def test_create_schedule_rejects_non_modules():
     with pytest.raises(TypeError, match="nn.Module"):
         slapo.create_schedule("not a module")
+
+
+def test_checkpoint_functions_load_on_first_use():
+    import slapo.checkpoint_io as io
+    from slapo import load_checkpoint
+
+    assert slapo.save_checkpoint is io.save_checkpoint and load_checkpoint is io.load_checkpoint
+    with pytest.raises(AttributeError, match="no_such_name"):
+        slapo.no_such_name  # noqa: B018
