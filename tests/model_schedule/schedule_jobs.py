@@ -71,4 +71,20 @@ def tp_job(rank: int, world: int) -> dict[str, str | None]:
     )
     checks["bert tp + fuse_ops + ckpt"] = lambda: check_tp("bert", fuse_ops=True, ckpt_ratio=0.5)
     checks["t5 tp + ckpt + eager attention"] = lambda: check_tp("t5", ckpt_ratio=1.0, attn_op="eager")
+    checks["llama heads that do not divide: clear error"] = check_head_split_error
     return run_checks(checks)
+
+
+def check_head_split_error() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=hf_models.VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg)
+    try:
+        apply_schedule(model, group=torch.distributed.group.WORLD)
+    except slapo.SlapoError as err:
+        assert "num_key_value_heads = 1 does not divide by 2" in str(err), err
+    else:
+        raise AssertionError("a K/V head split over 2 ranks was not refused")

@@ -10,7 +10,7 @@ from dist_utils import check_all, run_workers
 NAMES = [
     "gpt2", "llama", "bert", "opt", "t5", "qwen2 (biased q/k/v)", "gpt2 sequence parallel",
     "llama tp + ckpt + sdpa + fused loss", "bert tp + fuse_ops + ckpt",
-    "t5 tp + ckpt + eager attention",
+    "t5 tp + ckpt + eager attention", "llama heads that do not divide: clear error",
 ]  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from .helpers import (
     enter,
     require,
     row,
+    tp_size,
     use_attention,
 )
 from .knobs import Knobs
@@ -26,6 +27,14 @@ def llama(sch: Schedule, k: Knobs) -> None:
     require(not k.fuse_ops, "fuse_ops: llama has nothing to fuse (its MLP is SiLU-gated and "
             "bias-free, its residuals carry no bias)")
     if k.tensor_parallel:
+        world = tp_size(sch)
+        for heads in ("num_attention_heads", "num_key_value_heads"):
+            count = getattr(sch.mod.config, heads)
+            require(
+                count % world == 0,
+                f"tensor parallelism over {world} ranks would split a head: config.{heads} = "
+                f"{count} does not divide by {world}; use a group size that divides it",
+            )
         for blk in layers:
             for proj in ("q_proj", "k_proj", "v_proj"):  # Qwen2 gives these a bias
                 column(sch, f"{blk}.self_attn.{proj}")
