@@ -45,6 +45,7 @@ __all__ = [
     "OptimizerCtx",
     "RoundPipe",
     "RoundPipeBase",
+    "RoundPipeOptimizer",
     "RoundPipePackedData",
     "RoundPipeRunConfig",
     "RoundPipeTimeoutError",
@@ -61,8 +62,8 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # the C++ Adam compiles on first use; import it lazily so `import roundpipe` stays cheap
-    if name == "Adam":
-        from .optim import Adam
+    if name in ("Adam", "RoundPipeOptimizer"):
+        from . import optim
 
-        return Adam
+        return getattr(optim, name)
     raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")

@@ -92,7 +92,8 @@ def guess_split_spec(data: Any, expected_batchsize: int | None = None) -> tuple[
     if bs is None and sizes:
         bs = collections.Counter(sizes).most_common(1)[0][0]
     spec_leaves = [
-        TensorChunkSpec(0) if isinstance(t, torch.Tensor) and t.ndim > 0 and bs is not None and t.shape[0] == bs
+        TensorChunkSpec(0)
+        if isinstance(t, torch.Tensor) and t.ndim > 0 and bs is not None and t.shape[0] == bs
         else REPLICATE
         for t in leaves
     ]
@@ -156,24 +157,45 @@ def split_by_spec(data: Any, spec_leaves: list[Any], n: int) -> list[Any]:
     return [pytree.tree_unflatten(mb, treespec) for mb in per_mb]
 
 
-def _split(data: Any, user_spec: Any, n_wanted: int, name: str, expected_bs: int | None) -> tuple[list[Any], int]:
-    """Split ``data``; returns (microbatches, actual count)."""
+def _split(
+    data: Any, user_spec: Any, n_wanted: int, name: str, expected_bs: int | None
+) -> tuple[list[Any], int, str | None, list[int] | None]:
+    """Split ``data``; returns (microbatches, actual count, why it differs from ``n_wanted``,
+    batch rows per microbatch or None when unknown)."""
     if callable(user_spec):
-        return [], -1  # handled by caller
+        return [], -1, None, None  # handled by caller
     leaves = pytree.tree_leaves(data, is_leaf=_is_leaf)
     packed = [x for x in leaves if isinstance(x, RoundPipePackedData)]
+    n = n_wanted
+    reason = None
     if packed:
-        n_wanted = len(packed[0])
+        n = len(packed[0])
+        reason = f"the packed input holds {n} microbatches"
     if user_spec is None:
         spec, bs = guess_split_spec(data, expected_bs)
-        spec_leaves = pytree.tree_flatten(spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate)))[0]
+        spec_leaves = pytree.tree_flatten(
+            spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate))
+        )[0]
         if bs is None and not packed:
-            n_wanted = 1
-        elif bs is not None and not packed:
-            n_wanted = min(n_wanted, bs)
+            n, reason = 1, "no input tensor has a batch dimension"
+        elif bs is not None and not packed and bs < n:
+            n, reason = bs, f"the batch has only {bs} rows"
     else:
         spec_leaves = _spec_from_user(user_spec, data, name)
-    return split_by_spec(data, spec_leaves, n_wanted), n_wanted
+    mbs = split_by_spec(data, spec_leaves, n)
+    rows = None if packed else _rows(mbs, spec_leaves)
+    return mbs, n, (reason if n != n_wanted else None), rows
+
+
+def _rows(mbs: list[Any], spec_leaves: list[Any]) -> list[int] | None:
+    """Batch rows of each microbatch: the size of the first split tensor along its split dim."""
+    for j, s in enumerate(spec_leaves):
+        if isinstance(s, TensorChunkSpec):
+            leaves = [pytree.tree_leaves(mb, is_leaf=_is_leaf)[j] for mb in mbs]
+            if all(isinstance(t, torch.Tensor) for t in leaves):
+                return [t.shape[s.split_dim] for t in leaves]
+            return None
+    return None
 
 
 class AvgReducer:
@@ -202,26 +224,46 @@ class AvgReducer:
 avg_reducer = AvgReducer()
 
 
-def merge_microbatches(outputs: Sequence[Any], device: torch.device | None = None) -> Any:
+def merge_microbatches(
+    outputs: Sequence[Any],
+    device: torch.device | None = None,
+    rows: Sequence[int] | None = None,
+) -> Any:
     """Merge per-microbatch outputs leaf by leaf.
 
     Tensors with a batch dim are concatenated on dim 0 (differentiably), scalars averaged,
-    equal non-tensors kept once, differing ones returned as a list.
+    equal non-tensors kept once, differing ones returned as a list. ``rows`` (the batch rows of
+    each microbatch) weights the average when microbatches differ in size, so a mean loss per
+    microbatch merges into the mean over the whole batch.
 
     Example:
         >>> merge_microbatches([(torch.ones(1), 2), (torch.zeros(1), 2)])
         (tensor([1., 0.]), 2)
+        >>> merge_microbatches([torch.tensor(1.0), torch.tensor(4.0)], rows=[2, 1])
+        tensor(2.)
     """
+    if rows is not None and len(rows) != len(outputs):
+        raise ValueError(f"rows has {len(rows)} entries for {len(outputs)} microbatches")
+    # equal sizes keep the plain mean (bit for bit what an unweighted merge gives)
+    weights = None if rows is None or len(set(rows)) <= 1 else [float(r) for r in rows]
     flat = [pytree.tree_flatten(o) for o in outputs]
     spec = flat[0][1]
     for _, s in flat[1:]:
         if s != spec:
-            raise ValueError("microbatch outputs have different structures; pass merge_output=callable")
+            raise ValueError(
+                "microbatch outputs have different structures; pass merge_output=callable"
+            )
     merged = []
     for i in range(len(flat[0][0])):
         vals = [f[0][i] for f in flat]
         if isinstance(vals[0], torch.Tensor):
-            out = torch.cat(vals, 0) if vals[0].ndim > 0 else torch.stack(vals).mean(0)
+            if vals[0].ndim > 0:
+                out = torch.cat(vals, 0)
+            elif weights is None or not (vals[0].is_floating_point() or vals[0].is_complex()):
+                out = torch.stack(vals).mean(0)
+            else:
+                w = torch.tensor(weights, dtype=vals[0].dtype, device=vals[0].device)
+                out = (torch.stack(vals) * w).sum(0) / w.sum()
             merged.append(out.to(device) if device is not None else out)
         elif all(v == vals[0] for v in vals[1:]):
             merged.append(vals[0])
@@ -235,20 +277,47 @@ class Batch:
 
     ``flatten_states[m]`` holds the leaves flowing between stages for microbatch ``m`` (the
     inputs at first, each stage's outputs afterwards) and ``flatten_specs[m]`` their structure.
+    ``num_microbatch`` is the count actually made: fewer than configured when the batch has fewer
+    rows (``count_mismatch`` then says why).
+
+    Example:
+        >>> from roundpipe.run_config import RoundPipeRunConfig
+        >>> cfg = FullRoundPipeRunConfig(RoundPipeRunConfig(num_microbatch=4), RoundPipeRunConfig())
+        >>> b = Batch((torch.ones(2, 3),), {}, cfg)
+        >>> b.num_microbatch, b.count_mismatch
+        (2, 'the batch has only 2 rows')
     """
 
-    def __init__(self, args: tuple, kwargs: dict[str, Any], run_config: FullRoundPipeRunConfig, label: Any = None) -> None:
+    def __init__(
+        self,
+        args: tuple,
+        kwargs: dict[str, Any],
+        run_config: FullRoundPipeRunConfig,
+        label: Any = None,
+    ) -> None:
         n = run_config.num_microbatch
         if callable(run_config.split_input):
             mbs = run_config.split_input(args, kwargs, n)
-            if not isinstance(mbs, (list, tuple)) or not mbs or not all(
-                isinstance(m, (list, tuple)) and len(m) == 2 for m in mbs
+            if (
+                not isinstance(mbs, (list, tuple))
+                or not mbs
+                or not all(isinstance(m, (list, tuple)) and len(m) == 2 for m in mbs)
             ):
-                raise AssertionError("split_input callable must return a non-empty list of (args, kwargs)")
+                raise AssertionError(
+                    "split_input callable must return a non-empty list of (args, kwargs)"
+                )
             mbs = [(tuple(a), dict(k)) for a, k in mbs]
+            reason = f"split_input returned {len(mbs)} parts" if len(mbs) != n else None
+            rows = None
         else:
-            mbs, n = _split((tuple(args), dict(kwargs)), run_config.split_input, n, "split_input", None)
+            mbs, _, reason, rows = _split(
+                (tuple(args), dict(kwargs)), run_config.split_input, n, "split_input", None
+            )
         self.num_microbatch: int = len(mbs)
+        # why fewer (or more) microbatches than run_config.num_microbatch were made; None if equal
+        self.count_mismatch: str | None = reason
+        # batch rows per microbatch (None if unknown): weights the merge of scalar outputs
+        self.microbatch_rows: list[int] | None = rows
         flat = [pytree.tree_flatten(mb, is_leaf=_is_leaf) for mb in mbs]
         self.flatten_states: list[list[Any]] = [f[0] for f in flat]
         self.flatten_specs: list[Any] = [f[1] for f in flat]
@@ -268,14 +337,18 @@ class Batch:
             return out
         if split_label is None:
             spec, _ = guess_split_spec(label, None)
-            spec_leaves = pytree.tree_flatten(spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate)))[0]
+            spec_leaves = pytree.tree_flatten(
+                spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate))
+            )[0]
         else:
             spec_leaves = _spec_from_user(split_label, label, "split_label")
         return split_by_spec(label, spec_leaves, n)
 
     def outputs(self) -> list[Any]:
         """Per-microbatch output pytrees (valid after the last forward stage)."""
-        return [pytree.tree_unflatten(s, sp) for s, sp in zip(self.flatten_states, self.flatten_specs)]
+        return [
+            pytree.tree_unflatten(s, sp) for s, sp in zip(self.flatten_states, self.flatten_specs)
+        ]
 
     def dump(self, run_config: FullRoundPipeRunConfig, outputs: list[Any] | None = None) -> Any:
         """Merge microbatch outputs, or pack them when ``merge_output`` is False."""
@@ -288,5 +361,7 @@ class Batch:
         if len(outs) == 1:
             leaves, spec = pytree.tree_flatten(outs[0])
             dev = run_config.output_device
-            return pytree.tree_unflatten([x.to(dev) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
-        return merge_microbatches(outs, run_config.output_device)
+            return pytree.tree_unflatten(
+                [x.to(dev) if isinstance(x, torch.Tensor) else x for x in leaves], spec
+            )
+        return merge_microbatches(outs, run_config.output_device, self.microbatch_rows)

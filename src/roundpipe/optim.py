@@ -13,6 +13,7 @@ copy that devices upload, reading a bf16/fp16 (or fp32) gradient. There is no se
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -20,9 +21,10 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from roundpipe import optim_builder
+from roundpipe import optim_builder, optim_stream
+from roundpipe.roundpipe import RoundPipeBase
 
-__all__ = ["Adam"]
+__all__ = ["Adam", "RoundPipeOptimizer"]
 
 # Dtype codes of the C++ kernel (csrc/adam.cpp, enum DType).
 _DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
@@ -387,6 +389,10 @@ class Adam(Optimizer):
                 # amsgrad switched on mid-training (torch raises KeyError): start a fresh max.
                 state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
+            if p.numel() == 0:
+                # Nothing to update; torch counts the step all the same. (An empty tensor may
+                # have no storage: the kernel accepts address 0 for it, but need not see it.)
+                continue
             shadow = self._shadows.get(p)
             if kernel is not None and self._kernel_ok(p, grad, state, shadow, amsgrad):
                 fast.append((p, grad, state, shadow))
@@ -501,3 +507,208 @@ def _torch_adam_(
     param.addcdiv_(exp_avg, denom, value=-step_size)
     if shadow is not None:
         shadow.copy_(p)
+
+
+# --------------------------------------------------------------------------------------------
+# The ordinary PyTorch loop over RoundPipe's step protocol
+# --------------------------------------------------------------------------------------------
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters (everything but ``params``); tensors copied, so a later in-place
+    change (``LRScheduler`` fills a tensor ``lr``) cannot reach a step already launched."""
+    return {
+        k: v.detach().clone() if isinstance(v, Tensor) else v
+        for k, v in group.items()
+        if k != "params"
+    }
+
+
+class RoundPipeOptimizer(Optimizer):
+    """Makes the ordinary loop (``loss.backward(); opt.step(); opt.zero_grad()``) train a
+    RoundPipe model.
+
+    RoundPipe keeps a separate optimizer copy of every parameter (``model.optim_parameters()``)
+    and updates it on its optimizer thread (:meth:`RoundPipeBase.step`): the gradients the
+    backward left on the model parameters move into the copies, the inner optimizer steps, and
+    the results are copied back. This wrapper owns an inner optimizer built over those copies
+    and runs that protocol on :meth:`step`, so it behaves like the torch optimizer it wraps:
+    ``param_groups`` (with its hyperparameters), ``state``, ``state_dict()`` /
+    ``load_state_dict()``, step hooks and ``torch.optim.lr_scheduler`` all work on it.
+
+    With ``is_async=False`` (the default) :meth:`step` returns once the model parameters hold
+    the new values: exactly torch's semantics. With ``is_async=True`` it returns at once and the
+    next forward + backward uses the previous values (one step stale) while the optimizer thread
+    steps; RoundPipe's overlap mode. Either way, the hyperparameters in force when :meth:`step`
+    is called are the ones used (a scheduler may change them right after).
+
+    :meth:`zero_grad` clears only the model-side gradients a launched step has not claimed; the
+    inner optimizer's gradients are cleared on the optimizer thread right after its step, so
+    nothing here races with that thread.
+
+    Args:
+        model: the RoundPipe model (``RoundPipe``, ``AutoRoundPipe``).
+        optimizer: a torch optimizer over ``model.optim_parameters()`` (or a subset).
+        is_async: use RoundPipe's asynchronous, one-step-stale step.
+
+    Raises:
+        TypeError: ``model`` is not a RoundPipe model or ``optimizer`` not an optimizer.
+        ValueError: the optimizer holds tensors that are not the model's optimizer copies.
+
+    Example:
+        >>> from roundpipe import RoundPipe
+        >>> model = RoundPipe(torch.nn.Sequential(torch.nn.Linear(4, 1)), pin_model="off")
+        >>> opt = RoundPipeOptimizer(model, torch.optim.AdamW(model.optim_parameters(), lr=1e-2))
+        >>> sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step)
+        >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
+        >>> sched.step()
+    """
+
+    def __init__(
+        self, model: RoundPipeBase, optimizer: Optimizer, *, is_async: bool = False
+    ) -> None:
+        if not isinstance(model, RoundPipeBase):
+            raise TypeError(
+                f"RoundPipeOptimizer: model must be a RoundPipe model (RoundPipe, AutoRoundPipe), "
+                f"got {type(model).__name__}"
+            )
+        if isinstance(optimizer, RoundPipeOptimizer) or not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                "RoundPipeOptimizer: optimizer must be a torch.optim.Optimizer over "
+                f"model.optim_parameters(), got {type(optimizer).__name__}"
+            )
+        if not isinstance(is_async, bool):
+            raise TypeError(f"RoundPipeOptimizer: is_async must be a bool, got {is_async!r}")
+        copies = {id(p) for p in model.optim_parameters()}
+        for i, group in enumerate(optimizer.param_groups):
+            stray = sum(id(p) not in copies for p in group["params"])
+            if stray:
+                raise ValueError(
+                    f"RoundPipeOptimizer: param_groups[{i}] holds {stray} tensor(s) that are not "
+                    f"optimizer copies of {model.name}; build the optimizer over "
+                    "model.optim_parameters(), not model.parameters()"
+                )
+        # Optimizer.__init__ would build its own state; set up only what the base class reads.
+        self.model = model
+        self.optimizer = optimizer
+        self.is_async = is_async
+        self.defaults = optimizer.defaults
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._patch_step_function()
+        # The main thread's view of the groups (what schedulers and users edit); the inner
+        # optimizer's groups are written only on the optimizer thread, from a snapshot taken
+        # when step() is called.
+        self.param_groups: list[dict[str, Any]] = []
+        for group in optimizer.param_groups:
+            self.param_groups.append({**_hyper(group), "params": list(group["params"])})
+
+    def __repr__(self) -> str:
+        return f"RoundPipeOptimizer({self.optimizer!r}, is_async={self.is_async})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("RoundPipeOptimizer cannot be pickled; save optimizer.state_dict() instead")
+
+    def _wait(self) -> None:
+        """Wait for launched steps, so the inner optimizer may be read or changed here."""
+        optim_stream.synchronize_optim()
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-parameter state (after the launched steps finished)."""
+        self._wait()
+        return self.optimizer.state
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Apply the gradients of the backward passes since the last step.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (called once, here).
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: called on RoundPipe's optimizer thread (e.g. inside
+                ``model.step(...)``): this method runs ``model.step`` itself.
+        """
+        if optim_stream.on_optim_stream():
+            raise RuntimeError(
+                "RoundPipeOptimizer.step() runs model.step() itself: call it from the training "
+                "loop, not inside model.step(...) (use its .optimizer there)"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        inner = self.optimizer
+        snapshot = [_hyper(g) for g in self.param_groups]
+
+        def kernel() -> None:
+            for group, hyper in zip(inner.param_groups, snapshot):
+                group.update(hyper)
+            inner.step()
+            # set_to_none: the next step hands the model's gradient tensors over without a copy
+            inner.zero_grad(set_to_none=True)
+
+        self.model.step(kernel, is_async=self.is_async)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the model-side gradients (see :meth:`RoundPipeBase.zero_grad`)."""
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of optimizer copies (``model.optim_parameters()``) to the inner optimizer."""
+        copies = {id(p) for p in self.model.optim_parameters()}
+        params = param_group.get("params")
+        params = [params] if isinstance(params, Tensor) else list(params or [])
+        if any(id(p) not in copies for p in params):
+            raise ValueError(
+                "RoundPipeOptimizer.add_param_group: the group must hold optimizer copies "
+                "(model.optim_parameters()), not model parameters"
+            )
+        self._wait()
+        self.optimizer.add_param_group(param_group)
+        added = self.optimizer.param_groups[-1]
+        self.param_groups.append({**_hyper(added), "params": list(added["params"])})
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict, with the hyperparameters now in force.
+
+        Loadable by the same torch optimizer class outside RoundPipe, and back.
+        """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        self._wait()  # the optimizer thread is idle: its groups may be written here
+        for group, view in zip(self.optimizer.param_groups, self.param_groups):
+            group.update(_hyper(view))
+        state = self.optimizer.state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state)
+            if result is not None:
+                state = result
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the inner optimizer (e.g. a ``torch.optim.AdamW`` state dict)."""
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        self._wait()
+        self.optimizer.load_state_dict(state_dict)
+        for view, group in zip(self.param_groups, self.optimizer.param_groups):
+            params = view["params"]
+            view.clear()
+            view.update(_hyper(group))
+            view["params"] = params
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -27,11 +27,27 @@ __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
 _OWN_ATTRS = {"model", "original_model", "name", "layer_attrs", "optim_dtype", "training"}
 
 
+def _clear_grad(p: torch.Tensor, set_to_none: bool) -> None:
+    """``torch.optim.Optimizer.zero_grad``'s reset of one gradient."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
+
+
 class RoundPipeBase(nn.Module):
     """Optimizer-copy management, asynchronous ``step`` and attribute shim shared by
     :class:`RoundPipe` and :class:`AutoRoundPipe`."""
 
-    def __init__(self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
@@ -44,7 +60,23 @@ class RoundPipeBase(nn.Module):
         self.optim_dtype = optim_dtype
         self._warned_params = False
         self._rp_ready = False  # subclasses set it last: their own attributes are not mirrored
+        # load_state_dict writes the model parameters: the optimizer copies must follow
+        self.register_load_state_dict_post_hook(RoundPipeBase._refresh_optim_copies)
 
+    def _refresh_optim_copies(self, incompatible_keys: Any = None) -> None:
+        """Make the optimizer copies equal the model parameters (after ``load_state_dict``).
+
+        Without this, the next step would copy the old optimizer values back over the loaded
+        weights. Pending steps are finished first.
+        """
+        self.synchronize()
+        with torch.no_grad():
+            for attr in self._all_layer_attrs():
+                with attr.param_lock:
+                    for p in attr.params:
+                        optim = ParamAttribute.get(p).optim
+                        if optim is not None:
+                            optim.copy_(p)
 
     # -- attribute shim ------------------------------------------------------------------
     def set_original_model(self, original_model: nn.Module) -> None:
@@ -60,32 +92,88 @@ class RoundPipeBase(nn.Module):
         for target in (modules.get("model"), self.__dict__.get("original_model")):
             if target is not None and hasattr(target, name):
                 return getattr(target, name)
-        raise AttributeError(f"{type(self).__name__} (and the wrapped model) has no attribute {name!r}")
+        raise AttributeError(
+            f"{type(self).__name__} (and the wrapped model) has no attribute {name!r}"
+        )
+
+    def _shim_targets(self) -> list[nn.Module]:
+        """The wrapped model and the original model (each once) that attribute writes reach."""
+        targets: list[nn.Module] = []
+        for target in (
+            self.__dict__.get("_modules", {}).get("model"),
+            self.__dict__.get("original_model"),
+        ):
+            if target is not None and all(target is not t for t in targets):
+                targets.append(target)
+        return targets
+
+    def _is_mirrored(self, name: str) -> bool:
+        """Whether ``name`` is a user attribute (mirrored to the models), not the wrapper's own."""
+        return (
+            bool(self.__dict__.get("_rp_ready"))
+            and name not in _OWN_ATTRS
+            and not name.startswith("_")
+            and name not in self.__dict__
+            and not hasattr(type(self), name)
+        )
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_rp_ready") and name not in _OWN_ATTRS and not name.startswith("_") \
-                and name not in self.__dict__ and not isinstance(value, (nn.Module, torch.Tensor)):
-            mirrored = False
-            for target in (self._modules.get("model"), self.__dict__.get("original_model")):
-                if target is not None and hasattr(target, name):
+        """Mirror attribute writes to the wrapped and original models after initialization.
+
+        ``wrapped.x = 1`` sets ``x`` on the wrapped model and on the original model (it is read
+        back through them); the wrapper's own attributes and submodule / tensor values stay on
+        the wrapper.
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 2))
+            >>> rp = RoundPipe(net, pin_model="off")
+            >>> rp.flag = 1
+            >>> net.flag, rp.flag
+            (1, 1)
+        """
+        if self._is_mirrored(name) and not isinstance(value, (nn.Module, torch.Tensor)):
+            targets = self._shim_targets()
+            if targets:
+                for target in targets:
                     setattr(target, name, value)
-                    mirrored = True
-            if mirrored:
                 return
         super().__setattr__(name, value)
 
     def __delattr__(self, name: str) -> None:
-        for target in (self._modules.get("model"), self.__dict__.get("original_model")):
-            if target is not None and hasattr(target, name):
-                delattr(target, name)
-        if name in self.__dict__ or name in self._modules or name in self._parameters or name in self._buffers:
+        """Delete an attribute: the wrapper's own, or a mirrored one from every model holding it.
+
+        Example:
+            >>> net = nn.Sequential(nn.Linear(2, 2))
+            >>> rp = RoundPipe(net, pin_model="off")
+            >>> rp.flag = 1
+            >>> del rp.flag
+            >>> hasattr(net, "flag") or hasattr(rp, "flag")
+            False
+        """
+        own = (
+            name in self.__dict__
+            or name in self._modules
+            or name in self._parameters
+            or name in self._buffers
+        )
+        if own or not self._is_mirrored(name):
             super().__delattr__(name)
+            return
+        holders = [t for t in self._shim_targets() if hasattr(t, name)]
+        if not holders:
+            raise AttributeError(
+                f"{type(self).__name__} (and the wrapped model) has no attribute {name!r}"
+            )
+        for target in holders:
+            delattr(target, name)
 
     # -- parameters ----------------------------------------------------------------------
     def _all_layer_attrs(self) -> list[LayerAttribute]:
         return list(self.layer_attrs)
 
-    def optim_named_parameters(self, prefix: str = "", remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+    def optim_named_parameters(
+        self, prefix: str = "", remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
         """Named optimizer copies of the parameters (what optimizers should update).
 
         Example:
@@ -93,7 +181,9 @@ class RoundPipeBase(nn.Module):
             >>> [n for n, _ in rp.optim_named_parameters()]
             ['0.weight', '0.bias']
         """
-        for name, p in nn.Module.named_parameters(self.model, prefix=prefix, remove_duplicate=remove_duplicate):
+        for name, p in nn.Module.named_parameters(
+            self.model, prefix=prefix, remove_duplicate=remove_duplicate
+        ):
             if ParamAttribute.has(p):
                 optim = ParamAttribute.get(p).optim
                 assert optim is not None
@@ -109,24 +199,70 @@ class RoundPipeBase(nn.Module):
         for _, p in self.optim_named_parameters():
             yield p
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         """Model parameters; the optimizer copies inside :class:`~roundpipe.OptimizerCtx`."""
         if doing_optimizer():
             yield from self.optim_named_parameters(prefix, remove_duplicate)
             return
-        if any(a.launched for a in self._all_layer_attrs()) and not self._warned_params:
+        # only while an asynchronous step is still pending are the values actually stale
+        if not self._warned_params and any(a.copied < a.launched for a in self._all_layer_attrs()):
             self._warned_params = True
-            warnings.warn("RoundPipe model parameters may be one step stale after an asynchronous "
-                          "step(); build optimizers from optim_parameters()", stacklevel=2)
-        yield from super().named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+            warnings.warn(
+                "RoundPipe model parameters may be one step stale after an asynchronous "
+                "step(); build optimizers from optim_parameters()",
+                stacklevel=2,
+            )
+        yield from super().named_parameters(
+            prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate
+        )
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:  # type: ignore[override]
         """Model parameters; the optimizer copies inside :class:`~roundpipe.OptimizerCtx`."""
         for _, p in self.named_parameters(recurse=recurse):
             yield p
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the model-side gradients, leaving those a launched step has not taken yet.
+
+        After an asynchronous :meth:`step`, the gradients of the finished backward still sit on
+        the model parameters until the optimizer thread moves them into the optimizer copies;
+        they belong to that step, which clears them itself, so they are skipped here (no race
+        with the optimizer thread). Inside :class:`~roundpipe.OptimizerCtx` this resets the
+        optimizer copies' gradients instead, like ``parameters()``.
+
+        Example:
+            >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 1)), pin_model="off")
+            >>> rp(torch.ones(2, 2)).sum().backward()
+            >>> rp.zero_grad()
+            >>> all(p.grad is None for p in rp.parameters())
+            True
+        """
+        if doing_optimizer():
+            for p in self.optim_parameters():
+                _clear_grad(p, set_to_none)
+            return
+        seen: set[int] = set()
+        for attr in self._all_layer_attrs():
+            with attr.cond:
+                pending = attr.grads_taken < attr.launched
+            for p in attr.params:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if pending:  # the launched step takes these gradients (and clears them)
+                    continue
+                with ParamAttribute.get(p).grad_lock:
+                    _clear_grad(p, set_to_none)
+        for _, p in nn.Module.named_parameters(self):  # any parameter RoundPipe does not manage
+            if id(p) not in seen and not ParamAttribute.has(p):
+                _clear_grad(p, set_to_none)
+
     # -- optimizer step --------------------------------------------------------------------
-    def step(self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any) -> None:
+    def step(
+        self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
+    ) -> None:
         """Run ``step_fn`` (e.g. ``optimizer.step(); optimizer.zero_grad()``) on the optimizer thread.
 
         Gradients accumulated since the last step are added to the optimizer copies' ``.grad``
@@ -217,7 +353,9 @@ class RoundPipe(RoundPipeBase):
         super().__init__(model, name=name, optim_dtype=optim_dtype)
         model_run_config = RoundPipeRunConfig() if model_run_config is None else model_run_config
         if not isinstance(model_run_config, RoundPipeRunConfig):
-            raise TypeError(f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}")
+            raise TypeError(
+                f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}"
+            )
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
         if layers is None:
@@ -230,15 +368,19 @@ class RoundPipe(RoundPipeBase):
         if not layer_list:
             raise ValueError("layers must not be empty")
         self.model_run_config = model_run_config
-        object.__setattr__(self, "layers", layer_list)  # plain list: not re-registered as submodules
+        object.__setattr__(
+            self, "layers", layer_list
+        )  # plain list: not re-registered as submodules
         self.num_layers = len(layer_list)
         pin_module(model, pin_model, get_devices()[0].supports_pinning)
         in_model = set(model.modules())
         for layer in layer_list:
             if layer not in in_model:
                 pin_module(layer, pin_model, get_devices()[0].supports_pinning)
-        self.layer_attrs = [make_layer_attribute(f"{self.name}[{i}]", layer, i, optim_dtype)
-                            for i, layer in enumerate(layer_list)]
+        self.layer_attrs = [
+            make_layer_attribute(f"{self.name}[{i}]", layer, i, optim_dtype)
+            for i, layer in enumerate(layer_list)
+        ]
         self._extra_attr = self._leftover_attr(model, layer_list)
         self.layer_bytes = [get_model_size(layer) for layer in layer_list]
         self.layer_grad_bytes = [get_model_active_size(layer) for layer in layer_list]
@@ -246,7 +388,9 @@ class RoundPipe(RoundPipeBase):
         self.model_timer = ModelTimer(self.num_layers, self.layer_bytes)
         self._rp_ready = True
 
-    def _leftover_attr(self, model: nn.Module, layer_list: list[nn.Module]) -> LayerAttribute | None:
+    def _leftover_attr(
+        self, model: nn.Module, layer_list: list[nn.Module]
+    ) -> LayerAttribute | None:
         """Parameters of ``model`` not in any layer: they never run, but still get optimizer copies."""
         covered = {id(p) for layer in layer_list for p in layer.parameters()}
         rest = [p for p in unique_params(model) if id(p) not in covered]
@@ -257,19 +401,29 @@ class RoundPipe(RoundPipeBase):
     def _all_layer_attrs(self) -> list[LayerAttribute]:
         return self.layer_attrs + ([self._extra_attr] if self._extra_attr is not None else [])
 
-    def _plan(self, cfg: FullRoundPipeRunConfig, run_type: Literal["infer", "train", "fused"]) -> ModelExecutePlan:
-        plan = cfg.execute_plan if cfg.execute_plan is not None else ModelExecutePlan.auto(run_type, self)
+    def _plan(
+        self, cfg: FullRoundPipeRunConfig, run_type: Literal["infer", "train", "fused"]
+    ) -> ModelExecutePlan:
+        plan = (
+            cfg.execute_plan
+            if cfg.execute_plan is not None
+            else ModelExecutePlan.auto(run_type, self)
+        )
         plan.check_valid(self.num_layers, run_type)
         return plan
 
-    def forward(self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any) -> Any:
+    def forward(
+        self, *args: Any, roundpipe_run_config: RoundPipeRunConfig | None = None, **kwargs: Any
+    ) -> Any:
         """Run the model pipelined over microbatches; autograd-compatible.
 
         With gradients enabled, the result is attached to the autograd graph and
         ``loss.backward()`` runs the pipelined recompute + backward.
         """
         optim_stream.raise_pending_error()
-        cfg = FullRoundPipeRunConfig(roundpipe_run_config or RoundPipeRunConfig(), self.model_run_config)
+        cfg = FullRoundPipeRunConfig(
+            roundpipe_run_config or RoundPipeRunConfig(), self.model_run_config
+        )
         batch = Batch(args, kwargs, cfg)
         if not cfg.requires_grad:
             run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "infer"), False, "inference")
@@ -277,11 +431,17 @@ class RoundPipe(RoundPipeBase):
             run.join()
             return batch.dump(cfg, [pytree.tree_unflatten(s[0], s[1]) for s in run.states])
         if not torch.is_grad_enabled():
-            raise RuntimeError("requires_grad=True in the run config but gradients are disabled "
-                               "(torch.no_grad); enable grad or set requires_grad=False")
+            raise RuntimeError(
+                "requires_grad=True in the run config but gradients are disabled "
+                "(torch.no_grad); enable grad or set requires_grad=False"
+            )
         run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "train"), True, "forward")
-        inputs = [t for leaves in batch.flatten_states for t in leaves
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        inputs = [
+            t
+            for leaves in batch.flatten_states
+            for t in leaves
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         tag = torch.zeros((), requires_grad=True)
         outs = iter(RoundPipeBatchedBackward.apply(run, tag, *inputs))
         per_mb = []
@@ -295,7 +455,9 @@ class RoundPipe(RoundPipeBase):
         input_args: tuple[Any, ...] = (),
         input_kwargs: dict[str, Any] | None = None,
         label: Any = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor | Sequence[torch.Tensor]] = lambda outputs, labels: outputs,
+        loss_fn: Callable[
+            [Any, Any], torch.Tensor | Sequence[torch.Tensor]
+        ] = lambda outputs, labels: outputs,
         return_outputs: bool = False,
         run_config: RoundPipeRunConfig | None = None,
     ) -> Any:
@@ -303,8 +465,12 @@ class RoundPipe(RoundPipeBase):
 
         ``loss_fn(outputs, labels)`` runs per microbatch and each result is back-propagated
         as is, so divide by the number of microbatches for a mean over the batch.
-        Returns the loss summed over microbatches (and the merged outputs when
+        Returns the SUM of the microbatch losses (and the merged outputs when
         ``return_outputs``).
+
+        Raises:
+            ValueError: the inputs cannot be split into ``num_microbatch`` microbatches (e.g.
+                a batch with fewer rows): ``loss_fn`` could not scale its loss correctly.
 
         Example:
             >>> net = RoundPipe(nn.Sequential(nn.Linear(4, 1)), pin_model="off",
@@ -320,11 +486,24 @@ class RoundPipe(RoundPipeBase):
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable")
         if not torch.is_grad_enabled():
-            raise RuntimeError("forward_backward needs gradients enabled (called under torch.no_grad)")
+            raise RuntimeError(
+                "forward_backward needs gradients enabled (called under torch.no_grad)"
+            )
         optim_stream.raise_pending_error()
         cfg = FullRoundPipeRunConfig(run_config or RoundPipeRunConfig(), self.model_run_config)
         cfg.requires_grad = True
         batch = Batch(input_args, input_kwargs or {}, cfg, label)
+        if batch.num_microbatch != cfg.num_microbatch:
+            # loss_fn sees one microbatch and cannot know the real count: a loss divided by the
+            # configured num_microbatch would silently scale the gradients. Refuse instead.
+            raise ValueError(
+                f"{self.name}: forward_backward with num_microbatch={cfg.num_microbatch}, but "
+                f"{batch.count_mismatch}, so only {batch.num_microbatch} microbatches can be "
+                f"made; loss_fn runs once per microbatch and the losses are summed, so a loss "
+                f"divided by num_microbatch would be off by {batch.num_microbatch}/"
+                f"{cfg.num_microbatch}. Pass a batch of at least {cfg.num_microbatch} rows, or "
+                f"run_config=RoundPipeRunConfig(num_microbatch={batch.num_microbatch})"
+            )
         run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "fused"), True, "forward_backward")
         run.loss_fn = loss_fn
         run.return_outputs = return_outputs
@@ -364,7 +543,13 @@ class AutoRoundPipe(RoundPipeBase):
         torch.Size([3, 1])
     """
 
-    def __init__(self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        name: str | None = None,
+        optim_dtype: torch.dtype | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(model, name=name, optim_dtype=optim_dtype)
         self.sub_roundpipes = [m for m in model.modules() if isinstance(m, RoundPipe)]
         covered = {id(p) for rp in self.sub_roundpipes for p in nn.Module.parameters(rp)}

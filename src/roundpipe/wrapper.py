@@ -42,8 +42,16 @@ def wrap_model_recursive(
     if isinstance(model, nn.Sequential):
         return RoundPipe(model, name=name, model_run_config=cfg, **roundpipe_kwargs)
     for child_name, child in list(model.named_children()):
-        new = wrap_model_recursive(child, lower_threshold, upper_threshold, skip_modules, override_config,
-                                   model_run_config, f"{name}.{child_name}", **roundpipe_kwargs)
+        new = wrap_model_recursive(
+            child,
+            lower_threshold,
+            upper_threshold,
+            skip_modules,
+            override_config,
+            model_run_config,
+            f"{name}.{child_name}",
+            **roundpipe_kwargs,
+        )
         if new is not child:
             setattr(model, child_name, new)
     return model
@@ -82,6 +90,7 @@ def wrap_model_to_roundpipe(
 
     Raises:
         NotImplementedError: ``use_sequential_preset=True`` but no preset fits the model.
+        ValueError: the model has no parameters or buffers (e.g. an empty ``nn.Sequential``).
 
     Example:
         >>> import torch
@@ -96,20 +105,42 @@ def wrap_model_to_roundpipe(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if use_sequential_preset not in (None, True, False):
-        raise TypeError(f"use_sequential_preset must be None or a bool, got {use_sequential_preset!r}")
+        raise TypeError(
+            f"use_sequential_preset must be None or a bool, got {use_sequential_preset!r}"
+        )
     model_run_config = model_run_config or RoundPipeRunConfig()
     name = name or get_call_location(1)
+    if layers is None and get_model_size(model) == 0:
+        what = "has no layers" if not list(model.children()) else "has no parameters or buffers"
+        raise ValueError(
+            f"wrap_model_to_roundpipe: the model ({type(model).__name__}) {what}, so RoundPipe "
+            "has nothing to stream to the devices or train; wrap a model that has parameters"
+        )
     if layers is not None:
-        return RoundPipe(model, name=name, model_run_config=model_run_config, layers=layers, **roundpipe_kwargs)
+        return RoundPipe(
+            model, name=name, model_run_config=model_run_config, layers=layers, **roundpipe_kwargs
+        )
     if use_sequential_preset is not False:
         if models.find_preset(model) is not None or use_sequential_preset:
-            return models.wrap_model(model, name=name, model_run_config=model_run_config, **roundpipe_kwargs)
+            return models.wrap_model(
+                model, name=name, model_run_config=model_run_config, **roundpipe_kwargs
+            )
     if upper_threshold is None:
         upper_threshold = max(get_model_size(model) // (get_num_devices() + 1), 1)
     if lower_threshold < 0 or upper_threshold < lower_threshold:
-        raise ValueError(f"need 0 <= lower_threshold <= upper_threshold, got {lower_threshold}, {upper_threshold}")
-    wrapped = wrap_model_recursive(model, lower_threshold, upper_threshold, skip_modules, override_config or {},
-                                   model_run_config, name, **roundpipe_kwargs)
+        raise ValueError(
+            f"need 0 <= lower_threshold <= upper_threshold, got {lower_threshold}, {upper_threshold}"
+        )
+    wrapped = wrap_model_recursive(
+        model,
+        lower_threshold,
+        upper_threshold,
+        skip_modules,
+        override_config or {},
+        model_run_config,
+        name,
+        **roundpipe_kwargs,
+    )
     if isinstance(wrapped, RoundPipe):
         return wrapped
     auto = AutoRoundPipe(wrapped, name=name, optim_dtype=roundpipe_kwargs.get("optim_dtype"))

@@ -52,6 +52,7 @@ __all__ = [
     "consolidate_model",
     "env",
     "model_schedule",
+    "CheckpointError",
     "export_safetensors",
     "load_checkpoint",
     "save_checkpoint",
@@ -86,9 +87,11 @@ __all__ = [
     "set_random_seed",
 ]
 
-# torch.distributed.checkpoint takes over a second to import: load it on first use.
+# Checkpoint I/O pulls in safetensors and torch.distributed machinery that most schedules never
+# use: load it on first use.
 _LAZY = {
-    name: "checkpoint_io" for name in ("export_safetensors", "load_checkpoint", "save_checkpoint")
+    name: "checkpoint_io"
+    for name in ("CheckpointError", "export_safetensors", "load_checkpoint", "save_checkpoint")
 }
 
 

@@ -262,6 +262,9 @@ def find_pattern(gm: fx.GraphModule, pattern: Any, path: str = "") -> list[Subgr
     if isinstance(pattern, ModulePattern):
         return find_call_modules(gm, pattern.name, path)
     graph = pattern if isinstance(pattern, fx.Graph) else trace_pattern(pattern)
+    for node in graph.nodes:  # a bad regex fails here (re.error), even with nothing to match
+        if node.op == "call_function" and node.target is call_module:
+            re.compile(node.args[0])
     matcher = _Matcher(graph, gm)
     used: set[fx.Node] = set()
     found: list[Subgraph] = []
@@ -289,6 +292,7 @@ def find_call_modules(gm: fx.GraphModule, regex: str, path: str = "") -> list[Su
         >>> [s.output.target for s in find_call_modules(gm, r"0")]
         ['0']
     """
+    re.compile(regex)  # a bad regex fails here (re.error), even with nothing to match
     found = []
     for node in gm.graph.nodes:
         if node.op == "call_module" and _name_matches(regex, str(node.target)):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import difflib
 import logging
 import operator
 import re
@@ -32,6 +33,7 @@ from .exceptions import SlapoError
 
 __all__ = [
     "TraceError",
+    "LeafError",
     "trace",
     "trace_module",
     "trace_schedule",
@@ -46,6 +48,10 @@ Leaves = Sequence[str | type]
 
 class TraceError(SlapoError, RuntimeError):
     """A module could not be captured as a static graph."""
+
+
+class LeafError(TraceError, ValueError):
+    """A ``leaves=`` entry that names no submodule of the traced module, or is not a name."""
 
 
 class ModeDropout(nn.Module):
@@ -165,6 +171,60 @@ def _matches(leaf: str | type, path: str, mod: nn.Module) -> bool:
 
 def _is_leaf(path: str, mod: nn.Module, leaves: Leaves) -> bool:
     return any(_matches(leaf, path, mod) for leaf in leaves)
+
+
+def check_leaves(mod: nn.Module, leaves: Leaves, path: str = "") -> None:
+    """Raise :class:`LeafError` unless every entry of ``leaves`` can match a submodule of ``mod``.
+
+    A string entry must be a submodule path (relative to ``mod``, or to any of its descendants,
+    as the hierarchical fx trace matches at every level), a class name, or a regex that fully
+    matches such a path; a class entry needs no submodule (it may be a generic choice).
+
+    Example:
+        >>> check_leaves(nn.Sequential(nn.Linear(2, 2)), ["0", "Linear", "[0-9]+", nn.ReLU])
+        >>> check_leaves(nn.Sequential(nn.Linear(2, 2)), ["1"])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        slapo.tracing.LeafError: trace of "<root>" (Sequential): leaves entry '1' names no ...
+    """
+    where = f'"{path or "<root>"}" ({type(mod).__name__})'
+    if isinstance(leaves, str | type):
+        raise LeafError(
+            f"trace of {where}: leaves must be a list of module paths, regexes, class names or "
+            f"classes, got leaves={leaves!r}; write leaves=[{leaves!r}]"
+        )
+    named = [(n, m) for n, m in mod.named_modules() if n]
+    # Every dotted suffix of every path: "layers.0.attn" is also "0.attn" and "attn" one level
+    # down, where the hierarchical fx trace matches leaves again.
+    suffixes = {".".join(n.split(".")[i:]) for n, _ in named for i in range(n.count(".") + 1)}
+    classes = {type(m).__name__ for _, m in named}
+    for leaf in leaves:
+        if isinstance(leaf, type):
+            continue
+        if not isinstance(leaf, str):
+            raise LeafError(
+                f"trace of {where}: leaves entries are module paths, regexes, class names or "
+                f"classes, got a {type(leaf).__name__} object; give its path or its class"
+            )
+        if leaf in suffixes or leaf in classes:
+            continue
+        try:
+            regex: re.Pattern[str] | None = re.compile(leaf)
+            bad_regex = ""
+        except re.error as exc:
+            regex, bad_regex = None, f" (and not a valid regex: {exc})"
+        if regex is not None and any(regex.fullmatch(s) for s in suffixes):
+            continue
+        close = difflib.get_close_matches(leaf, sorted(suffixes | classes), n=3, cutoff=0.6)
+        paths = [n for n, _ in named]
+        shown = ", ".join(paths[:12]) + (f", ... {len(paths) - 12} more" if paths[12:] else "")
+        raise LeafError(
+            f"trace of {where}: leaves entry {leaf!r} names no submodule: it is not a module "
+            f"path, a class name, or a regex matching a path{bad_regex}."
+            + (f" Did you mean {', '.join(map(repr, close))}?" if close else "")
+            + f" Module paths: {shown or '(none)'}. Class names: "
+            f"{', '.join(sorted(classes)) or '(none)'}."
+        )
 
 
 def _repoint_state(new: nn.Module, old: nn.Module) -> None:
@@ -608,6 +668,7 @@ def trace_module(
         raise TraceError(f'tracer must be "export" or "fx", got {tracer!r}')
     if tracer == "export" and concrete_args is not None:
         raise TraceError("concrete_args only applies to tracer='fx'")
+    check_leaves(mod, leaves, path)
     with _train_mode(mod):
         if tracer == "fx":
             gm = _fx_trace(mod, leaves, flatten, concrete_args, path)
@@ -685,6 +746,7 @@ def trace_schedule(
     mod = sch.mod
     where = sch.path or "<root>"
     if isinstance(mod, fx.GraphModule):
+        check_leaves(mod, leaves, sch.path)
         if flatten:
             inline_submodules(mod, leaves)
             sch.swap_module(mod)

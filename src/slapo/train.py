@@ -81,18 +81,19 @@ def build_model(cfg: TrainConfig) -> nn.Module:
     if cfg.preset not in PRESETS:
         raise SlapoError(f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     hidden, layers, heads, kv_heads, inter = PRESETS[cfg.preset]
+    # use_cache=False: training reads no key/value cache (checkpointed layers run without one).
     positions = max(cfg.seq_len, 128)
     if cfg.model == "llama":
         config = tf.LlamaConfig(
             vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=inter,
             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=positions, tie_word_embeddings=True,
+            max_position_embeddings=positions, tie_word_embeddings=True, use_cache=False,
         )  # fmt: skip
         return tf.LlamaForCausalLM(config)
     if cfg.model == "gpt2":
         config = tf.GPT2Config(
             vocab_size=VOCAB_SIZE, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inter,
-            n_positions=positions, bos_token_id=0, eos_token_id=0,
+            n_positions=positions, bos_token_id=0, eos_token_id=0, use_cache=False,
         )  # fmt: skip
         return tf.GPT2LMHeadModel(config)
     if cfg.model == "opt":
@@ -100,17 +101,20 @@ def build_model(cfg: TrainConfig) -> nn.Module:
             vocab_size=VOCAB_SIZE, hidden_size=hidden, ffn_dim=inter, num_hidden_layers=layers,
             num_attention_heads=heads, max_position_embeddings=positions,
             word_embed_proj_dim=hidden, bos_token_id=0, eos_token_id=0, pad_token_id=1,
+            use_cache=False,
         )  # fmt: skip
         return tf.OPTForCausalLM(config)
     if cfg.model == "bert":
         config = tf.BertConfig(
             vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers,
             num_attention_heads=heads, intermediate_size=inter, max_position_embeddings=positions,
+            use_cache=False,
         )  # fmt: skip
         return tf.BertForMaskedLM(config)
     config = tf.T5Config(  # half the layers in the encoder, half in the decoder
         vocab_size=VOCAB_SIZE, d_model=hidden, d_kv=hidden // heads, d_ff=inter,
         num_layers=max(layers // 2, 1), num_heads=heads, decoder_start_token_id=0, pad_token_id=0,
+        use_cache=False,
     )  # fmt: skip
     return tf.T5ForConditionalGeneration(config)
 
@@ -307,7 +311,15 @@ def _checkpoint_path(path: str, layout: Layout) -> Path:
 
 
 def save_state(path: Path, runner: Runner, batches: ByteBatches, record: dict[str, Any]) -> None:
-    """Model, optimizer, data generator, RNG and the curve so far, written atomically."""
+    """Model, optimizer, data generator, RNG and the curve so far, written atomically, no pickle.
+
+    ``path`` becomes a directory (``slapo.checkpoint_io.save_tree``): the model's tensors in
+    ``model.safetensors`` under their state-dict names (with ``config.json``), the optimizer, data
+    generator and RNG state (a uint8 tensor) in ``state.safetensors``, the loss record and the
+    hyperparameters in JSON. A DTensor (FSDP2) is stored as this rank's part.
+    """
+    from .checkpoint_io import save_tree
+
     state = {
         "model": runner.model.state_dict(),
         "optimizer": runner.optimizer.state_dict(),
@@ -315,20 +327,45 @@ def save_state(path: Path, runner: Runner, batches: ByteBatches, record: dict[st
         "rng": torch.get_rng_state(),
         "record": record,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+    save_tree(path, state, config=getattr(runner.model, "config", None))
 
 
 def load_state(path: Path, runner: Runner, batches: ByteBatches) -> dict[str, Any]:
-    if not path.is_file():
-        raise SlapoError(f"--resume {path}: no such checkpoint")
-    state = torch.load(path, weights_only=True)
-    runner.model.load_state_dict(state["model"])
-    runner.optimizer.load_state_dict(state["optimizer"])
-    batches.load_state_dict(state["data"])
-    torch.set_rng_state(state["rng"])
+    """Restore what :func:`save_state` wrote into ``runner`` and ``batches``; returns the record.
+
+    Reads only JSON and safetensors. DTensor entries are rebuilt like the live model's.
+    """
+    from itertools import chain
+
+    from .checkpoint_io import CheckpointError, dtensor_like, load_tree
+
+    try:
+        state = load_tree(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"--resume {path}: {err}") from err
+    absent = [k for k in ("model", "optimizer", "data", "rng", "record") if k not in state]
+    if absent:
+        raise CheckpointError(
+            f"--resume {path} holds no {absent}: not a `slapo train --save` state"
+        )
+    try:
+        live = runner.model.state_dict()
+        model_state = {k: dtensor_like(v, live.get(k)) for k, v in state["model"].items()}
+        optim_state = state["optimizer"]
+        saved_ids = chain.from_iterable(g["params"] for g in optim_state.get("param_groups", []))
+        params = chain.from_iterable(g["params"] for g in runner.optimizer.param_groups)
+        by_id = dict(zip(saved_ids, params))
+        for i, per_param in optim_state.get("state", {}).items():
+            for key, value in per_param.items():  # exp_avg & co. are laid out like the parameter
+                per_param[key] = dtensor_like(value, by_id.get(i))
+        runner.model.load_state_dict(model_state)
+        runner.optimizer.load_state_dict(optim_state)
+        batches.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"])
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(
+            f"--resume {path} does not fit this run (saved with other options?): {err}"
+        ) from err
     return state["record"]
 
 
@@ -426,27 +463,58 @@ def _check(cfg: TrainConfig) -> None:
         raise SlapoError("--save/--resume are not wired for --target pipeline yet")
 
 
-def write_outputs(out: Path, summary: dict[str, Any], runs: list[dict[str, Any]]) -> None:
-    """``metrics.json`` (written atomically) and ``loss.png`` in ``out``."""
+def write_outputs(out: Path, summary: dict[str, Any], runs: list[dict[str, Any]]) -> Path | None:
+    """Write ``metrics.json`` (atomically, first) and then ``loss.png`` into ``out``.
+
+    Returns the plot's path, or None when it was skipped. The plot never costs a run its
+    results: without matplotlib (or if drawing fails) one line on stderr says why and how to
+    get it, and the metrics are already on disk.
+
+    Example:
+        >>> import tempfile
+        >>> out = Path(tempfile.mkdtemp())
+        >>> s = {"config": {"model": "llama", "preset": "tiny"}, "losses": [2.0, 1.5]}
+        >>> write_outputs(out, s, [{"label": "scheduled", "losses": [2.0, 1.5]}]).name
+        'loss.png'
+    """
+    import sys
+
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "metrics.json.tmp"
     tmp.write_text(json.dumps(summary, indent=2))
     tmp.replace(out / "metrics.json")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for run in runs:
-        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=run["label"])
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title(f"slapo train: {summary['config']['model']} ({summary['config']['preset']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
+    plot = out / "loss.png"
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(
+            f"slapo train: skipped {plot}: matplotlib is not installed (pip install matplotlib); "
+            f"the metrics are in {out / 'metrics.json'}",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        # A bare Figure on an Agg canvas: no pyplot state, no display, the caller's backend kept.
+        fig = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for run in runs:
+            ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=run["label"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(f"slapo train: {summary['config']['model']} ({summary['config']['preset']})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, format="png")
+    except Exception as exc:  # noqa: BLE001  (the plot is a by-product; the metrics are safe)
+        print(
+            f"slapo train: skipped {plot}: drawing it failed ({type(exc).__name__}: {exc}); "
+            f"the metrics are in {out / 'metrics.json'}",
+            file=sys.stderr,
+        )
+        return None
+    return plot
 
 
 def format_summary(summary: dict[str, Any]) -> str:

@@ -47,6 +47,21 @@ class _Mismatch:
 
 
 @dataclass
+class _Raised:
+    """Running the scheduled model (forward, loss or backward) raised ``error``."""
+
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"running it raises {_one_line(self.error)}"
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+@dataclass
 class _StepResult:
     outputs: list[torch.Tensor]
     input_grads: list[torch.Tensor | None]
@@ -110,12 +125,22 @@ class Verify(contextlib.ContextDecorator):
         if not self.enable or exc_type is not None:
             return False  # never hide the error raised inside the block
         assert self._original is not None
-        reference = self._run(copy.deepcopy(self._original))
-        scheduled = self._run(self.sch.mod)
-        mismatch = self._compare(reference, scheduled)
+        try:
+            reference = self._run(copy.deepcopy(self._original))
+        except Exception as err:  # noqa: BLE001  (bad example inputs, not a bad schedule)
+            raise SlapoError(
+                "Verify: the original model (as it was on entering the block) raises "
+                f"{_one_line(err)} on example_inputs; pass inputs the unscheduled model accepts"
+            ) from err
+        error: Exception | None = None
+        mismatch: _Mismatch | _Raised | None
+        try:
+            mismatch = self._compare(reference, self._run(self.sch.mod))
+        except Exception as err:  # noqa: BLE001  (a primitive broke the model: bisect to it)
+            mismatch, error = _Raised(err), err
         if _on_any_rank(mismatch is not None):  # every rank takes the same path (collectives)
             mismatch = mismatch or _Mismatch("a tensor on another rank", float("nan"))
-            raise VerificationError(self._explain(mismatch, reference))
+            raise VerificationError(self._explain(mismatch, reference)) from error
         return False
 
     # ----- running ------------------------------------------------------------------------------
@@ -215,7 +240,7 @@ class Verify(contextlib.ContextDecorator):
         return None
 
     # ----- explaining ---------------------------------------------------------------------------
-    def _explain(self, mismatch: _Mismatch, reference: _StepResult) -> str:
+    def _explain(self, mismatch: _Mismatch | _Raised, reference: _StepResult) -> str:
         records = self.sch.metadata.primitives[self._first_record :]
         head = f"Verify: the scheduled model is not equivalent to the original: {mismatch}."
         try:
@@ -250,7 +275,7 @@ class Verify(contextlib.ContextDecorator):
                 mismatch = self._compare(reference, self._run(sch.mod))
                 detail = str(mismatch) if mismatch else ""
             except Exception as err:  # noqa: BLE001  (an inconsistent intermediate schedule)
-                detail = f"running it raises {type(err).__name__}: {err}"
+                detail = str(_Raised(err))
             failed = _on_any_rank(bool(detail))
             if not failed:
                 if count == len(records):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dist_utils import free_port
 from slapo.data import ByteBatches, default_corpus
@@ -32,6 +33,8 @@ def test_scheduled_training_gives_the_unscheduled_loss_curve():
     scheduled = train(TrainConfig(ckpt_ratio=1.0, **SMALL))
     plain = train(TrainConfig(ckpt_ratio=0.0, **SMALL))
     assert scheduled["checkpointed_layers"] == 4 and plain["checkpointed_layers"] == 0
+    # Exact on any CPU: a non-reentrant checkpoint keeps the autograd graph and reruns the same
+    # kernels on the same operands (RNG restored), and both runs train without the KV cache.
     assert scheduled["losses"] == plain["losses"]
     assert all(x > 0 for x in scheduled["step_tokens_per_s"])
 
@@ -77,7 +80,10 @@ def test_cli_train_writes_metrics_and_prints_a_summary(tmp_path):
 @pytest.mark.parametrize("model", ["gpt2", "bert", "opt", "t5"])
 def test_every_model_family_trains_with_its_schedule(model):
     out = train(TrainConfig(model=model, ckpt_ratio=1.0, **SMALL))
-    assert out["checkpointed_layers"] > 0 and all(x == x for x in out["losses"])
+    plain = train(TrainConfig(model=model, ckpt_ratio=0.0, **SMALL))
+    assert out["checkpointed_layers"] > 0 and plain["checkpointed_layers"] == 0
+    # float32 tolerance: the families' schedules may fuse or swap kernels (not only checkpoint)
+    torch.testing.assert_close(out["losses"], plain["losses"])
 
 
 def test_compare_runs_baseline_and_schedule_side_by_side(tmp_path):
@@ -99,9 +105,36 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path):
     cfg = {**SMALL, "model": "gpt2", "fused_loss": True}  # gpt2 has dropout: RNG state matters
     full = train(TrainConfig(**{**cfg, "steps": 5}))
     train(TrainConfig(**{**cfg, "steps": 2}, save=str(tmp_path / "ckpt.pt")))
-    assert not list(tmp_path.glob("*.tmp"))  # written atomically
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # atomic: no .tmp-slapo left
+    # no pickle: safetensors and JSON only
+    assert {p.suffix for p in (tmp_path / "ckpt.pt").iterdir()} == {".json", ".safetensors"}
     rest = train(TrainConfig(**{**cfg, "steps": 5}, resume=str(tmp_path / "ckpt.pt")))
+    # Exact: resuming restores the bits of weights, optimizer state, RNG and data position
     assert rest["losses"] == full["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_fsdp_resume_continues_the_loss_curve(tmp_path):
+    """FSDP2 parameters and Adam state are DTensors: each rank saves its part, resume rebuilds them."""
+    args = ["--target", "fsdp", "--model", "gpt2", "--batch-size", "2", "--seq-len", "16",
+            "--no-progress"]  # fmt: skip
+    losses = {}
+    for name, extra in {
+        "full": ["--steps", "4"],
+        "first": ["--steps", "2", "--save", str(tmp_path / "ckpt")],
+        "rest": ["--steps", "4", "--resume", str(tmp_path / "ckpt")],
+    }.items():
+        out = tmp_path / name
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "slapo", "train", *args, *extra,
+               "--output-dir", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
+        losses[name] = json.loads((out / "metrics.json").read_text())["losses"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.rank0", "ckpt.rank1"]
+    # Exact: both runs launch the same way and resuming restores every bit of the state
+    assert losses["rest"] == losses["full"]
 
 
 def test_bad_options_are_clear_errors(tmp_path):
@@ -115,9 +148,23 @@ def test_bad_options_are_clear_errors(tmp_path):
         train(TrainConfig(model="falcon", **SMALL))
 
 
-def test_roundpipe_target_trains():
-    out = train(TrainConfig(target="roundpipe", **SMALL))
-    assert len(out["losses"]) == 3 and all(x == x for x in out["losses"])
+def test_roundpipe_target_trains(monkeypatch):
+    """`slapo train --target roundpipe` runs the ordinary loop (backward, optimizer.step,
+    zero_grad) on the RoundPipe model: it must give eager's loss curve."""
+    import torch
+
+    import roundpipe
+
+    monkeypatch.setenv("ROUNDPIPE_WAIT_TIMEOUT", "60")
+    roundpipe.init_devices(num_virtual=2)  # 2 CPU virtual devices -> 3 microbatches of 2, 1, 1
+    cfg = {**SMALL, "steps": 5, "batch_size": 4}
+    out = train(TrainConfig(target="roundpipe", **cfg))
+    eager = train(TrainConfig(**cfg))
+    # RoundPipe runs the batch as microbatches and merges their losses: float32 sums are
+    # ordered differently than in eager's one pass, hence assert_close and not equality
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(eager["losses"]))
+    assert out["losses"][-1] < out["losses"][0]
+    roundpipe.device.wait_devices_idle(timeout=30)
 
 
 @pytest.mark.slow

@@ -77,10 +77,15 @@ def step(model: nn.Module, x: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor
     return loss.detach(), grads
 
 
-def assert_same(ref: nn.Module, test: nn.Module, x: torch.Tensor, exact: bool = True) -> None:
+def assert_same(ref: nn.Module, test: nn.Module, x: torch.Tensor, exact: bool = False) -> None:
+    """Same loss and every gradient: float32 tolerance, or bit-identity with ``exact=True``.
+
+    A caller passing ``exact=True`` says why no CPU and no thread count can reorder the float
+    operations (see ``hf_models.assert_same_step``).
+    """
     loss_ref, g_ref = step(ref, x)
     loss_test, g_test = step(test, x)
-    kw = {"rtol": 0, "atol": 0} if exact else {"rtol": 1e-5, "atol": 1e-5}
+    kw = {"rtol": 0, "atol": 0} if exact else {}  # {}: float32 defaults (rtol 1.3e-6, atol 1e-5)
     torch.testing.assert_close(loss_test, loss_ref, **kw)
     assert set(g_ref) == set(g_test), set(g_ref) ^ set(g_test)
     for name, grad in g_ref.items():

@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import MLP, Attention, assert_same
 from torch import fx, nn
 
 import slapo
+from conftest import MLP, Attention, assert_same
 from slapo.pattern import ModulePattern, Pattern, Subgraph, call_module
 
 
@@ -35,7 +35,7 @@ def test_issue_example_decompose_find_fuse_keeps_loss_and_grads(tracer):
     names = sch.fuse(subgraph, compiler=None, name="BiasGeLU")
     assert names == ["BiasGeLU"] and isinstance(sch["BiasGeLU"].mod, fx.GraphModule)
     assert sorted(sch.mod.state_dict()) == sorted(ref.state_dict())
-    assert_same(ref, sch.mod, x)
+    assert_same(ref, sch.mod, x)  # decomposed matmul + add vs Linear's addmm: float32 tolerance
 
 
 def test_matching_is_commutative_and_returns_every_match():
@@ -127,3 +127,17 @@ def test_fuse_with_torchscript_works_or_says_why():
             assert "TorchScript" in str(exc)
             return
     assert_same(ref, sch.mod, x, exact=False)
+
+
+def test_a_bad_regex_is_a_primitive_error_naming_the_path_and_the_pattern():
+    _, sch, _ = seed_mlp("fx", decompose=False)
+    outer = slapo.create_schedule(nn.Sequential(MLP()))
+    outer.trace(tracer="fx")
+    for where, s in (("<root>", sch), ("0", outer["0"])):
+        with pytest.raises(slapo.PrimitiveError, match=rf'find on "{where}": \'fc\[\' is not a va'):
+            s.find("fc[")
+    # The regexes of call_module() and ModulePattern are checked too, even with nothing to match.
+    with pytest.raises(slapo.PrimitiveError, match=r"'lin\(' is not a valid regular expression"):
+        sch.find(lambda x: F.relu(call_module("lin(", x)))
+    with pytest.raises(slapo.PrimitiveError, match=r"'\*' is not a valid regular expression"):
+        sch.find(ModulePattern("*"))

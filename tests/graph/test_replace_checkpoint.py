@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Attention, FusedQKV, step
 from hf_models import assert_same_step, make, twin
 from torch import nn
 
 import slapo
+from conftest import Attention, FusedQKV, step
 
 
 def qkv_grads(grads: dict, prefix: str = "") -> torch.Tensor:
@@ -33,9 +33,13 @@ def test_horizontal_qkv_fusion_on_the_seed_attention():
     x = torch.randn(2, 5, 16)
     loss_ref, g_ref = step(ref, x)
     loss, g = step(sch.mod, x)
+    # One matmul instead of three: other BLAS blocking, so float32 tolerance, not bit-identity.
     torch.testing.assert_close(loss, loss_ref)
     torch.testing.assert_close(g["qkv.weight"], qkv_grads(g_ref))
-    torch.testing.assert_close(g["out_proj.weight"], g_ref["out_proj.weight"])
+    torch.testing.assert_close(g["qkv.bias"], torch.cat([g_ref[f"{p}_proj.bias"] for p in "qkv"]))
+    for name in ("out_proj.weight", "out_proj.bias"):
+        torch.testing.assert_close(g[name], g_ref[name])
+    assert len(g) == 4 and len(g_ref) == 8  # every gradient was compared
 
 
 def test_horizontal_qkv_fusion_in_a_traced_llama_attention():
@@ -94,6 +98,7 @@ def test_replace_one_chain_in_a_real_block(family):
     assert len(found) == 1
     sch[path].replace(new, found, name="bias_act")
     assert "bias_act" in sch[path].child
+    # The decomposed linear (matmul, then add) rounds differently from addmm's fused bias.
     assert_same_step(ref, model, exact=False)
 
 
@@ -109,7 +114,10 @@ def test_checkpoint_a_subgraph_is_bit_identical_with_dropout():
     names = attn.checkpoint(found)
     assert names == ["checkpoint"]
     assert model.state_dict().keys() == ref.state_dict().keys()
-    assert_same_step(ref, model)
+    # Exact on any CPU and thread count: the traced block calls the same functions on the same
+    # operands, and the non-reentrant checkpoint keeps the autograd graph (the same summation
+    # order) while its recompute reruns the same kernels under the restored RNG state.
+    assert_same_step(ref, model, exact=True)
 
 
 def test_checkpoint_a_pattern_subgraph_of_the_seed_attention():
@@ -125,6 +133,7 @@ def test_checkpoint_a_pattern_subgraph_of_the_seed_attention():
     x = torch.randn(2, 5, 16)
     loss_ref, g_ref = step(ref, x)
     loss, g = step(sch.mod, x)
+    # Exact: the same calls, the same graph; the recompute reruns the same kernels (as above).
     torch.testing.assert_close(loss, loss_ref, rtol=0, atol=0)
     for name, grad in g_ref.items():
         torch.testing.assert_close(g[name], grad, rtol=0, atol=0)

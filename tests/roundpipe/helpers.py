@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -23,8 +27,9 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 
 
-def seeded_reference_loss(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n_mb: int,
-                          base_seed: int) -> torch.Tensor:
+def seeded_reference_loss(
+    net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, n_mb: int, base_seed: int
+) -> torch.Tensor:
     """Loss of ``net`` when layer ``l`` of microbatch ``m`` draws random numbers from
     ``derive_seed(base_seed, l, m)``: what RoundPipe does with ``preserve_rng_state``."""
     total = torch.zeros(())
@@ -36,3 +41,38 @@ def seeded_reference_loss(net: nn.Sequential, x: torch.Tensor, y: torch.Tensor, 
                 h = layer(h)
         total = total + nn.functional.mse_loss(h, yb) / n_mb
     return total
+
+
+def delayed_update_reference(
+    net0: nn.Module,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+    make_opt: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    make_sched: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> tuple[list[torch.Tensor], nn.Module, torch.optim.Optimizer]:
+    """RoundPipe's asynchronous training in plain PyTorch: iteration ``k`` runs forward and
+    backward on the optimizer's values after step ``k - 2`` (one step stale) and step ``k``
+    applies that gradient to the latest values. The loss is the MSE over the batch.
+
+    Returns the per-iteration losses, the final (up-to-date) model and its optimizer;
+    ``make_sched(opt)`` makes an lr scheduler stepped after every optimizer step.
+    """
+    used = copy.deepcopy(net0)  # the weights the iteration runs on
+    master = copy.deepcopy(net0)  # the optimizer's weights
+    opt = make_opt(master.parameters())
+    sched = make_sched(opt) if make_sched is not None else None
+    snapshots, losses = [], []
+    for k, (x, y) in enumerate(data):
+        if k >= 2:
+            used.load_state_dict(snapshots[k - 2])
+        loss = nn.functional.mse_loss(used(x), y)
+        loss.backward()
+        for p, q in zip(master.parameters(), used.parameters()):
+            p.grad = q.grad.clone()
+        opt.step()
+        opt.zero_grad()
+        used.zero_grad()
+        if sched is not None:
+            sched.step()
+        snapshots.append(copy.deepcopy(master.state_dict()))
+        losses.append(loss.detach())
+    return losses, master, opt

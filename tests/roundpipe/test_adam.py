@@ -424,3 +424,52 @@ def test_bad_inputs_raise_like_torch() -> None:
 def test_unknown_optimizer_function() -> None:
     with pytest.raises(ValueError, match="unknown optimizer function"):
         optim_builder.load_optim_function("no_such_optimizer")
+
+
+@pytest.mark.parametrize("implementation", ["cpp", "torch"])
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_zero_element_parameters_step_like_torch(implementation: str, amsgrad: bool) -> None:
+    """torch's Adam accepts parameters with no elements (and counts their steps)."""
+    init = [*_params(seed=7), torch.zeros(0), torch.zeros(4, 0)]
+    ours, ref = _leaves(init), _leaves(init)
+    opt = Adam(ours, lr=1e-2, amsgrad=amsgrad, implementation=implementation)
+    ref_opt = torch.optim.Adam(ref, lr=1e-2, amsgrad=amsgrad)
+    shadow = torch.zeros(0, dtype=torch.bfloat16)  # an empty shadow has no storage either
+    opt.register_shadow(ours[-2], shadow)
+    for step in range(3):
+        _set_grads(step, ours, ref)
+        opt.step()
+        ref_opt.step()
+    _assert_params_close(ours, ref)
+    for p, q in zip(ours[-2:], ref[-2:], strict=True):
+        assert opt.state[p]["step"].item() == ref_opt.state[q]["step"].item() == 3
+        assert opt.state[p]["exp_avg"].shape == q.shape
+
+
+def test_kernel_accepts_empty_rows_without_addresses(kernel: object) -> None:
+    """An empty tensor reports address 0: the kernel must skip it, not refuse the whole step."""
+    p = torch.ones(5)
+    grad, exp_avg, exp_avg_sq = torch.ones(5), torch.zeros(5), torch.zeros(5)
+    row_ok = [
+        p.data_ptr(),
+        grad.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        0,
+        0,
+        5,
+        1,
+        0,
+    ]
+    row_empty = [0, 0, 0, 0, 0, 0, 0, 1, 2]  # no addresses, a bf16 shadow dtype code, 0 elements
+    table = torch.tensor([row_empty, row_ok], dtype=torch.int64)
+    steps = torch.tensor([[0.1, 1.0], [0.1, 1.0]], dtype=torch.float64)  # step size, sqrt(bc2)
+    kernel(
+        table.data_ptr(), steps.data_ptr(), 2, 0.9, 0.999, 0.0, 1.0, 1e-8, False, False, False, 1
+    )
+    assert torch.all(p < 1.0)  # the non-empty row was still updated
+    bad = torch.tensor([[0, 0, 0, 0, 0, 0, 3, 1, 0]], dtype=torch.int64)  # 3 elements, no address
+    with pytest.raises(ValueError, match="null tensor address"):
+        kernel(
+            bad.data_ptr(), steps.data_ptr(), 1, 0.9, 0.999, 0.0, 1.0, 1e-8, False, False, False, 1
+        )

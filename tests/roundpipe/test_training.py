@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close, mlp, seeded_reference_loss
+from helpers import assert_close, delayed_update_reference, mlp, seeded_reference_loss
 from torch import nn
 
 import roundpipe
@@ -46,7 +46,9 @@ def test_sync_training_equals_pytorch(ndev, mode):
 
 def test_input_gradients_flow_to_caller(two_devices):
     ref = mlp(3)
-    model = RoundPipe(copy.deepcopy(ref), pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=3))
+    model = RoundPipe(
+        copy.deepcopy(ref), pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=3)
+    )
     x = torch.randn(6, 8, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_(True)
     (model(x) ** 2).sum().backward()
@@ -56,9 +58,16 @@ def test_input_gradients_flow_to_caller(two_devices):
 
 def test_chained_models_with_packed_data(two_devices):
     ref = mlp(6)
-    a = RoundPipe(copy.deepcopy(ref[:5]), pin_model="off",
-                  model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=False))
-    b = RoundPipe(copy.deepcopy(ref[5:]), pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    a = RoundPipe(
+        copy.deepcopy(ref[:5]),
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, merge_output=False),
+    )
+    b = RoundPipe(
+        copy.deepcopy(ref[5:]),
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     packed = a(x)
     assert isinstance(packed, roundpipe.RoundPipePackedData) and len(packed) == 2
@@ -89,30 +98,21 @@ def test_async_training_equals_delayed_update_reference(ndev, fixed_plan):
         plan = roundpipe.ModelExecutePlan()
         plan.fwd_plan = [range(0, 2), range(2, 3), range(3, 7)]
         plan.bwd_plan = [range(3, 7), range(1, 3), range(0, 1)]
-    model = RoundPipe(net, pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    model = RoundPipe(
+        net,
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+    )
     opt = torch.optim.Adam(model.optim_parameters(), lr=1e-2)
-    # reference: iteration k runs on the optimizer's values after step k-2 (one step stale)
-    used = copy.deepcopy(net0)
-    master = copy.deepcopy(net0)
-    ref_opt = torch.optim.Adam(master.parameters(), lr=1e-2)
-    snapshots = []
     torch.manual_seed(3)
     data = [(torch.randn(4, 8), torch.randn(4, 1)) for _ in range(5)]
+    # reference: iteration k runs on the optimizer's values after step k-2 (one step stale)
+    ref_losses, master, _ = delayed_update_reference(
+        net0, data, lambda ps: torch.optim.Adam(ps, lr=1e-2)
+    )
     for k, (x, y) in enumerate(data):
-        if k >= 2:
-            used.load_state_dict(snapshots[k - 2])
-        ref_loss = nn.functional.mse_loss(used(x), y)
-        ref_loss.backward()
-        for p, q in zip(master.parameters(), used.parameters()):
-            p.grad = q.grad.clone()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        used.zero_grad()
-        snapshots.append(copy.deepcopy(master.state_dict()))
-
         loss = model.forward_backward((x,), label=y, loss_fn=_mse_mb(2))
-        assert_close(loss, ref_loss.detach(), f"async loss at iteration {k}")
+        assert_close(loss, ref_losses[k], f"async loss at iteration {k}")
         model.step(lambda: (opt.step(), opt.zero_grad()))
     model.synchronize()
     for p, q in zip(net.parameters(), master.parameters()):
@@ -126,15 +126,20 @@ def test_async_training_equals_delayed_update_reference(ndev, fixed_plan):
 def test_recompute_with_dropout_equals_reference(two_devices, grain, fused):
     ref = mlp(5, dropout=0.3)
     net = copy.deepcopy(ref)
-    model = RoundPipe(net, pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain))
+    model = RoundPipe(
+        net,
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3, recompute_grain=grain),
+    )
     x, y = torch.randn(6, 8), torch.randn(6, 1)
     torch.manual_seed(123)
     if fused:
         loss = model.forward_backward((x,), label=y, loss_fn=_mse_mb(3))
     else:
         out = model(x)
-        loss = sum(nn.functional.mse_loss(o, t) / 3 for o, t in zip(out.tensor_split(3), y.tensor_split(3)))
+        loss = sum(
+            nn.functional.mse_loss(o, t) / 3 for o, t in zip(out.tensor_split(3), y.tensor_split(3))
+        )
         loss.backward()
     torch.manual_seed(123)
     base = int(torch.randint(0, 2**62, (1,)).item())
@@ -167,8 +172,11 @@ class _ScalesByNoise(nn.Module):
 def test_save_for_recompute_roundtrip(two_devices):
     layer = _ScalesByNoise()
     _ScalesByNoise.events.clear()
-    model = RoundPipe(nn.Sequential(layer), pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2, preserve_rng_state=False))
+    model = RoundPipe(
+        nn.Sequential(layer),
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, preserve_rng_state=False),
+    )
     x = torch.randn(4, 8)
     out = model(x)
     out.sum().backward()
@@ -207,8 +215,12 @@ def test_model_four_times_budget_trains_within_budget():
     plan.fwd_plan = [range(0, 16)]
     plan.bwd_plan = [range(0, 16)]
     with pytest.raises(roundpipe.DeviceMemoryError, match="budget"):
-        model.forward_backward((torch.randn(4, 32),), label=torch.randn(4, 32), loss_fn=_mse_mb(2),
-                               run_config=RoundPipeRunConfig(execute_plan=plan))
+        model.forward_backward(
+            (torch.randn(4, 32),),
+            label=torch.randn(4, 32),
+            loss_fn=_mse_mb(2),
+            run_config=RoundPipeRunConfig(execute_plan=plan),
+        )
     assert all(d.memory.resident == 0 for d in devs)
 
 
@@ -220,7 +232,11 @@ class _Boom(nn.Module):
         self.armed = True
 
     def forward(self, x):
-        hit = roundpipe.doing_recompute() if self.when == "recompute" else not roundpipe.doing_recompute()
+        hit = (
+            roundpipe.doing_recompute()
+            if self.when == "recompute"
+            else not roundpipe.doing_recompute()
+        )
         if self.armed and hit and x.shape[0] == 2:
             raise ValueError(f"boom in {self.when}")
         return self.lin(x)
@@ -234,8 +250,11 @@ def test_layer_error_mid_pipeline_is_raised_without_hanging(ndev, when):
     plan = roundpipe.ModelExecutePlan()
     plan.fwd_plan = [range(0, 2), range(2, 3), range(3, 5)]
     plan.bwd_plan = [range(3, 5), range(2, 3), range(0, 2)]
-    model = RoundPipe(net, pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan))
+    model = RoundPipe(
+        net,
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=3, execute_plan=plan),
+    )
     x, y = torch.randn(6, 8), torch.randn(6, 1)
     with pytest.raises(ValueError, match=f"boom in {when}") as info:
         model.forward_backward((x,), label=y, loss_fn=_mse_mb(3))
@@ -270,6 +289,29 @@ def test_attribute_shim(two_devices):
         _ = model.nope
 
 
+def test_attribute_shim_new_attributes_and_deletion_reach_both_models(two_devices):
+    """A new attribute lands on the wrapped and the original model; del removes it from both."""
+    net = mlp(3)
+    orig = nn.Module()
+    model = RoundPipe(net, pin_model="off")
+    model.set_original_model(orig)
+    model.new_flag = 1
+    assert net.new_flag == 1 and orig.new_flag == 1 and model.new_flag == 1
+    assert "new_flag" not in model.__dict__  # read back through the models, not a third copy
+    net.new_flag = 2  # the wrapped model's value is the one seen
+    assert model.new_flag == 2
+    del model.new_flag
+    assert not hasattr(net, "new_flag") and not hasattr(orig, "new_flag")
+    assert not hasattr(model, "new_flag")
+    with pytest.raises(AttributeError, match="new_flag"):
+        del model.new_flag
+    orig.only_orig = "x"  # an attribute only one model has is deleted from that one
+    del model.only_orig
+    assert not hasattr(orig, "only_orig")
+    model.num_layers = 7  # the wrapper's own attributes stay the wrapper's
+    assert model.num_layers == 7 and not hasattr(net, "num_layers")
+
+
 @pytest.mark.slow
 def test_async_training_with_roundpipe_adam(two_devices):
     try:
@@ -295,7 +337,9 @@ def test_async_training_with_roundpipe_adam(two_devices):
 
 
 def test_optimizer_error_is_raised_in_main_thread(two_devices):
-    model = RoundPipe(mlp(3), pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        mlp(3), pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=2)
+    )
     opt = torch.optim.SGD(model.optim_parameters(), lr=0.1)
     x, y = torch.randn(4, 8), torch.randn(4, 1)
     model.forward_backward((x,), label=y, loss_fn=_mse_mb(2))
@@ -322,8 +366,11 @@ def test_stuck_stage_times_out_instead_of_hanging(two_devices, monkeypatch):
     monkeypatch.setenv("ROUNDPIPE_WAIT_TIMEOUT", "0.5")
     plan = roundpipe.ModelExecutePlan()
     plan.fwd_plan = [range(0, 1), range(1, 2)]
-    model = RoundPipe(nn.Sequential(_Slow(), nn.Linear(8, 1)), pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan))
+    model = RoundPipe(
+        nn.Sequential(_Slow(), nn.Linear(8, 1)),
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2, execute_plan=plan),
+    )
     with pytest.raises(roundpipe.RoundPipeTimeoutError, match="forward group 0"), torch.no_grad():
         model(torch.randn(4, 8))
     monkeypatch.setenv("ROUNDPIPE_WAIT_TIMEOUT", "60")
@@ -353,8 +400,11 @@ class _CtrlC(nn.Module):
 
 @pytest.mark.timeout(60)
 def test_ctrl_c_stops_cleanly(two_devices):
-    model = RoundPipe(nn.Sequential(nn.Linear(8, 8), _CtrlC(), nn.Linear(8, 1)), pin_model="off",
-                      model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = RoundPipe(
+        nn.Sequential(nn.Linear(8, 8), _CtrlC(), nn.Linear(8, 1)),
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     with pytest.raises(KeyboardInterrupt), torch.no_grad():
         model(torch.randn(4, 8))
     roundpipe.device.wait_devices_idle(timeout=30)
@@ -369,7 +419,9 @@ def test_callable_split_and_merge(two_devices):
         calls.append(n)
         return [((chunk,), kwargs) for chunk in args[0].chunk(n)]
 
-    cfg = RoundPipeRunConfig(num_microbatch=2, split_input=split, merge_output=lambda outs: torch.cat(outs) * 2)
+    cfg = RoundPipeRunConfig(
+        num_microbatch=2, split_input=split, merge_output=lambda outs: torch.cat(outs) * 2
+    )
     model = RoundPipe(copy.deepcopy(ref), pin_model="off", model_run_config=cfg)
     x = torch.randn(4, 8)
     with torch.no_grad():

@@ -7,6 +7,7 @@ checks; each test below reports one check of a job.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import hf_models
 import pytest
@@ -83,6 +84,19 @@ def test_tp2_checkpoint_loads_unsharded(tp2, ckpt_dir):
             **jobs.TOL,
         )
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_tp2_checkpoint_loads_with_from_pretrained(tp2, ckpt_dir):
+    import transformers
+
+    ref, _ = _reference_after_step()
+    names = sorted(p.name for p in Path(ckpt_dir, "ckpt").iterdir())
+    assert "model.safetensors.index.json" in names  # each rank wrote a share: HF's sharded layout
+    assert not [n for n in names if not n.endswith((".json", ".safetensors"))], names
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(f"{ckpt_dir}/ckpt")
+    ref_params = dict(ref.named_parameters())
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], **jobs.TOL)
 
 
 def test_tp2_safetensors_export_loads_in_transformers(tp2, ckpt_dir):

@@ -115,6 +115,7 @@ def check_fork_rng_dropout(rank: int, world: int) -> None:
     for _ in range(2):
         slapo.set_random_seed(7, tp_rank=rank)
         model(x)
+    # Exact: a dropout mask is a function of the generator state alone.
     assert torch.equal(masks[0], masks[1]), "the same seed must give the same mask"
     gathered = [torch.empty_like(masks[0]) for _ in range(world)]
     dist.all_gather(gathered, masks[0])
@@ -168,6 +169,7 @@ def check_consolidate(world: int) -> None:
         full = dict(ref.named_parameters())
         for name, p in meta.named_parameters():
             assert not p.is_meta, name
+            # Exact: the shard is a slice of the same full-size draw (a copy).
             torch.testing.assert_close(p, local_of(p, full[name]), rtol=0, atol=0)
         assert meta.lm_head.weight is meta.transformer.wte.weight
 
@@ -288,12 +290,12 @@ def die_job(rank: int, world: int, ckpt_dir: str, how: str) -> str:
             return f"{time.monotonic() - start:.1f}s {err}"
         return "no error"
     save_checkpoint(model, f"{ckpt_dir}/ckpt")  # a complete checkpoint first
-    if rank == 1:
-        import torch.distributed.checkpoint as dcp
+    if rank == 1:  # dies inside the safetensors writer, mid-save
+        import safetensors.torch
 
         def killed(*args, **kwargs):
             os._exit(3)
 
-        dcp.save = killed
+        safetensors.torch.save_file = killed
     save_checkpoint(model, f"{ckpt_dir}/ckpt_new")
     return "no error"

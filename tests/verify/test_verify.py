@@ -70,3 +70,28 @@ def test_errors_inside_the_block_propagate_and_disabled_verify_checks_nothing():
         sch["1"].replace(nn.ReLU())
     with pytest.raises(slapo.SlapoError, match="root schedule"):
         slapo.Verify(sch["0"], torch.randn(2, 8))
+
+
+def test_a_replacement_that_breaks_a_shape_is_named_not_a_bare_runtime_error():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(nn.Linear(16, 16), nn.GELU()))
+    model.append(nn.Linear(16, 4))
+    sch = slapo.create_schedule(model)
+    with pytest.raises(slapo.verify.VerificationError) as info:
+        with slapo.Verify(sch, torch.randn(5, 8)):
+            sch["0"].checkpoint()
+            sch["1.0"].replace(nn.Linear(16, 32))  # layer "2" still expects 16 features
+            sch["1.1"].replace(nn.GELU())
+    msg = str(info.value)
+    assert "running it raises RuntimeError: mat1 and mat2 shapes cannot be multiplied" in msg
+    assert 'The first primitive that breaks equivalence is replace(<Linear>) on "1.0"' in msg
+    assert isinstance(info.value.__cause__, RuntimeError)  # the original error stays attached
+    assert sch.mod[0].weight.grad is None
+
+
+def test_example_inputs_the_original_model_rejects_are_a_slapo_error():
+    sch = slapo.create_schedule(mlp())
+    with pytest.raises(slapo.SlapoError, match="original model .* raises RuntimeError") as info:
+        with slapo.Verify(sch, torch.randn(5, 7)):  # mlp() takes 8 features
+            sch["0"].checkpoint()
+    assert not isinstance(info.value, slapo.verify.VerificationError)

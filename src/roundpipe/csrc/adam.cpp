@@ -231,14 +231,18 @@ const char* plan(const int64_t* table, const double* steps, int64_t n, bool amsg
   fns.resize(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* row = table + i * kColumns;
-    if (row[kParam] == 0 || row[kGrad] == 0 || row[kExpAvg] == 0 || row[kExpAvgSq] == 0) {
+    if (row[kNumel] < 0) return "adam: negative element count";
+    // A zero-element tensor may have no storage (address 0, as torch reports it): nothing is
+    // read or written for it (it gets no chunk), so only non-empty tensors need addresses.
+    const bool empty = row[kNumel] == 0;
+    if (!empty &&
+        (row[kParam] == 0 || row[kGrad] == 0 || row[kExpAvg] == 0 || row[kExpAvgSq] == 0)) {
       return "adam: null tensor address";
     }
-    if (amsgrad && row[kMaxExpAvgSq] == 0) return "adam: amsgrad needs max_exp_avg_sq";
-    if ((row[kShadow] == 0) != (row[kShadowDtype] == kNone)) {
+    if (!empty && amsgrad && row[kMaxExpAvgSq] == 0) return "adam: amsgrad needs max_exp_avg_sq";
+    if (!empty && (row[kShadow] == 0) != (row[kShadowDtype] == kNone)) {
       return "adam: shadow address and dtype disagree";
     }
-    if (row[kNumel] < 0) return "adam: negative element count";
     fns[i] = pick_kernel(static_cast<int>(row[kGradDtype]), static_cast<int>(row[kShadowDtype]),
                          amsgrad, coupled);
     if (fns[i] == nullptr) return "adam: unsupported gradient or shadow dtype code";

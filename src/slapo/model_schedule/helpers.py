@@ -102,13 +102,9 @@ def checkpoint_blocks(sch: Schedule, paths: list[str], ratio: float) -> list[str
     """Checkpoint the first ``ceil(ratio * len(paths))`` blocks; returns their paths."""
     chosen = paths[: math.ceil(ratio * len(paths))]
     for path in chosen:
+        # The primitive runs the block without its key/value cache while gradients are recorded
+        # (a recompute would write it twice); the config is left alone, so generate() keeps it.
         sch[path].checkpoint()
-    if chosen:
-        # A recomputed block must not see the key/value cache its first run filled (transformers
-        # turns the cache off under its own gradient checkpointing too).
-        configs = {id(m.config): m.config for m in sch.mod.modules() if hasattr(m, "config")}
-        for config in configs.values():
-            config.use_cache = False
     return chosen
 
 

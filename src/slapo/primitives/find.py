@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -56,11 +57,17 @@ class FindPrimitive(Primitive):
                 f"find() takes a regex string, a pattern function or a Pattern, got {pattern!r}"
             )
         found: list[Subgraph] = []
-        for rel, sub in _graph_schedules(sch):
-            if isinstance(pattern, str):
-                found += find_call_modules(sub.mod, pattern, rel)
-            else:
-                found += find_pattern(sub.mod, pattern, rel)
+        try:
+            for rel, sub in _graph_schedules(sch):
+                if isinstance(pattern, str):
+                    found += find_call_modules(sub.mod, pattern, rel)
+                else:
+                    found += find_pattern(sub.mod, pattern, rel)
+        except re.error as exc:  # a name regex: the string, call_module's or ModulePattern's
+            raise PrimitiveError(
+                f'find on "{sch.path or "<root>"}": {exc.pattern!r} is not a valid regular '
+                f"expression ({exc}); fix it, or match a name literally with re.escape(name)"
+            ) from exc
         return found
 
 

@@ -43,7 +43,7 @@ class TracePrimitive(Primitive):
         return trace_schedule(
             sch,
             example_inputs,
-            leaves=tuple(leaves),
+            leaves=leaves,
             flatten=flatten,
             tracer=tracer,
             concrete_args=concrete_args,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from ..exceptions import TargetError
@@ -30,15 +31,24 @@ def build_roundpipe(
     pin_model: str = "alloc",
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    async_step: bool = False,
     **roundpipe_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Wrap the scheduled model with RoundPipe; returns ``(roundpipe_model, optimizer)``.
+
+    The optimizer is a ``roundpipe.optim.RoundPipeOptimizer`` around ``optimizer`` created over
+    RoundPipe's optimizer copies (``model.optim_parameters()``), so the ordinary loop
+    (``loss.backward(); opt.step(); opt.zero_grad()``, lr schedulers, state dicts) trains the
+    model; the inner optimizer is ``opt.optimizer``.
 
     Args:
         num_microbatch: microbatches per step (ignored when ``run_config`` is given).
         run_config: a ``roundpipe.RoundPipeRunConfig``.
         pin_model: ``"alloc"``, ``"register"`` or ``"off"`` (pinning only where a device has it).
-        optimizer: e.g. ``roundpipe.optim.Adam``; created over ``model.optim_parameters()``.
+        optimizer: e.g. ``roundpipe.optim.Adam`` or ``torch.optim.AdamW``.
+        async_step: ``False`` (default): ``opt.step()`` returns once the model holds the new
+            weights, as in torch. ``True``: RoundPipe's asynchronous step; the next iteration
+            runs on one-step-stale weights while the optimizer thread steps.
         **roundpipe_kwargs: passed to ``roundpipe.wrap_model_to_roundpipe``.
 
     Example:
@@ -46,11 +56,16 @@ def build_roundpipe(
         >>> sch["1"].cut_pipeline_stage()
         >>> model, opt = slapo.build(sch, target="roundpipe", num_microbatch=2,
         ...                          optimizer=roundpipe.optim.Adam)
-        >>> loss = model.forward_backward((torch.randn(4, 8),), label=torch.randn(4, 1),
-        ...                               loss_fn=lambda out, y: ((out - y) ** 2).mean() / 2)
+        >>> loss = ((model(torch.randn(4, 8)) - torch.randn(4, 1)) ** 2).mean()
+        >>> loss.backward()
+        >>> opt.step()
+        >>> opt.zero_grad()
     """
     import roundpipe
+    from roundpipe.optim import RoundPipeOptimizer
 
+    if not isinstance(async_step, bool):
+        raise TargetError(f"async_step must be True or False, got {async_step!r}")
     if run_config is None:
         run_config = roundpipe.RoundPipeRunConfig(num_microbatch=num_microbatch)
     elif num_microbatch is not None:
@@ -73,7 +88,15 @@ def build_roundpipe(
                 f"or a Llama/Qwen3/GPT-2 model); {type(root).__name__} went to the size heuristic"
             )
         run_config.execute_plan = stage_plan(layer_list, [(p, root.get_submodule(p)) for p in cuts])
-    return model, make_optimizer(model.optim_parameters(), optimizer, optimizer_kwargs)
+    inner = make_optimizer(model.optim_parameters(), optimizer, optimizer_kwargs)
+    if inner is None:
+        return model, None
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TargetError(
+            f"optimizer= made a {type(inner).__name__}; target roundpipe needs a "
+            "torch.optim.Optimizer (e.g. optimizer=torch.optim.AdamW or roundpipe.optim.Adam)"
+        )
+    return model, RoundPipeOptimizer(model, inner, is_async=async_step)
 
 
 def stage_plan(layers: list[nn.Module], cuts: list[tuple[str, nn.Module]]) -> Any:

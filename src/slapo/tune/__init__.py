@@ -13,7 +13,7 @@ from .database import Database, DatabaseCorruptError
 from .space import Space, Symbol, config_key
 from .strategies import STRATEGIES, Exhaustive, ModelGuided, RandomSearch, Strategy, make_strategy
 from .trial import TrialResult, config_to_flags, run_trial
-from .tuner import TuneError, Tuner
+from .tuner import TuneError, TuneInterrupted, Tuner
 
 __all__ = [
     "STRATEGIES",
@@ -27,6 +27,7 @@ __all__ = [
     "Symbol",
     "TrialResult",
     "TuneError",
+    "TuneInterrupted",
     "Tuner",
     "config_key",
     "config_to_flags",

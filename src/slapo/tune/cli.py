@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -193,11 +194,14 @@ def run_tune(args: argparse.Namespace) -> int:
     )
     try:
         records = tuner.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
         print(
-            "slapo tune: interrupted; measured trials are saved, re-run to resume", file=sys.stderr
+            f"slapo tune: interrupted ({signal.Signals(signum).name}); the running trial was "
+            f"stopped, measured trials are saved in {args.db}; re-run to resume",
+            file=sys.stderr,
         )
-        return 130
+        return 128 + signum
     from .report import best_table, plot_search
 
     maximize = args.direction == "maximize"

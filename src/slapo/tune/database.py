@@ -100,6 +100,25 @@ class Database:
         else:
             self.db[key] = data
 
+    def save(self) -> None:
+        """Write the records held in memory (merged with the file's) atomically.
+
+        Commits write the file already; this also creates it when nothing was committed yet, so
+        an interrupted run always leaves a readable database behind.
+
+        Example:
+            >>> import os, tempfile
+            >>> path = os.path.join(tempfile.mkdtemp(), "results.json")
+            >>> Database(path).save()
+            >>> len(Database(path))
+            0
+        """
+        if self.db_file_name:
+            merged = self._read()
+            merged.update(self.db)
+            self._write(merged)
+            self.db = merged
+
     def _write(self, records: dict[str, Any]) -> None:
         path = self.db_file_name
         assert path is not None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -80,12 +83,106 @@ def last_json_line(output: str) -> dict[str, Any] | None:
     return None
 
 
+# ----- a trial never outlives its tuner ---------------------------------------------------
+# Two independent layers, because each alone has a hole:
+# 1. PR_SET_PDEATHSIG (Linux): the kernel SIGKILLs the trial the moment the tuner dies, however it
+#    dies (SIGKILL included). It reaches only the trial process itself, not what it spawned.
+# 2. A guard process per trial, in its own session, blocked reading a pipe whose only writer is
+#    the tuner. The tuner writes one byte when it has reaped the trial; if the pipe closes with
+#    no byte, the tuner died, and the guard SIGKILLs the trial's whole process group (the trial
+#    runs in a new session, so its own children share its group). This works on any POSIX system
+#    and covers the trial's children; layer 1 still holds if the guard is killed too.
+_PR_SET_PDEATHSIG = 1
+_REAP_TIMEOUT_S = 10.0  # bounded waits while stopping a trial: never hang the tuner
+_GUARD_CODE = """
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+if not os.read(0, 1):
+    try:
+        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _load_prctl() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Resolved once in the parent: the child, between fork and exec, only calls a C function.
+_PRCTL = _load_prctl()
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """``preexec_fn`` of a trial: the kernel kills it when the tuner (its parent) dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # type: ignore[operator]
+    if os.getppid() != parent_pid:  # the tuner died before prctl took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _start_guard(pgid: int) -> tuple[subprocess.Popen[bytes], int] | None:
+    """Start the guard of process group ``pgid``; returns it and the write end of its pipe."""
+    read_fd, write_fd = os.pipe()  # not inheritable: the trial never holds the write end
+    try:
+        guard = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(pgid)],
+            stdin=read_fd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # no terminal signal (Ctrl-C, hangup) reaches it
+        )
+    except OSError:
+        os.close(write_fd)
+        return None  # layer 1 (and the tuner's own cleanup) still hold
+    finally:
+        os.close(read_fd)
+    return guard, write_fd
+
+
+def _release_guard(handle: tuple[subprocess.Popen[bytes], int] | None) -> None:
+    """Tell the guard the trial was reaped (so it kills nothing) and reap the guard."""
+    if handle is None:
+        return
+    guard, write_fd = handle
+    try:
+        os.write(write_fd, b"x")
+    except OSError:
+        pass  # the guard is gone already
+    finally:
+        os.close(write_fd)
+    try:
+        guard.wait(timeout=_REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        guard.kill()
+        guard.wait()
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     """Kill the trial and everything it spawned (it runs in its own session)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """Kill the trial's process group and reap it; returns the output read (bounded waits)."""
+    _kill_group(proc)
+    try:
+        return proc.communicate(timeout=_REAP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # A descendant that left the group still holds the pipes: stop reading them.
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        proc.kill()
+        proc.wait(timeout=_REAP_TIMEOUT_S)
+        return "", ""
 
 
 def run_trial(
@@ -115,33 +212,40 @@ def run_trial(
         raise ValueError(f"timeout must be positive, got timeout={timeout!r}")
     argv = [*command, *config_to_flags(cfg)]
     start = time.monotonic()
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        errors="replace",
-        start_new_session=True,  # so a timeout can kill the whole process group
-        env=dict(env) if env is not None else None,
-        cwd=cwd,
-    )
+    proc: subprocess.Popen[str] | None = None
+    guard = None
     try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, err = proc.communicate()
-        return TrialResult(
-            status="timeout",
-            returncode=proc.returncode,
-            elapsed_s=time.monotonic() - start,
-            error=f"timed out after {timeout:g} s",
-            output_tail=(out + err)[-_TAIL_CHARS:],
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            errors="replace",
+            start_new_session=True,  # its own process group: killed as one, with its children
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()) if _PRCTL else None,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
         )
-    except BaseException:  # Ctrl-C: stop the trial too, record nothing, let the caller decide
-        _kill_group(proc)
-        proc.communicate()
+        guard = _start_guard(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out, err = _stop(proc)
+            return TrialResult(
+                status="timeout",
+                returncode=proc.returncode,
+                elapsed_s=time.monotonic() - start,
+                error=f"timed out after {timeout:g} s",
+                output_tail=(out + err)[-_TAIL_CHARS:],
+            )
+    except BaseException:  # Ctrl-C, SIGTERM: stop the trial too, record nothing, let caller decide
+        if proc is not None:
+            _stop(proc)
         raise
+    finally:
+        _release_guard(guard)
+    assert proc is not None
     elapsed = time.monotonic() - start
     tail = (out + err)[-_TAIL_CHARS:]
     rc = proc.returncode

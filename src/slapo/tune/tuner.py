@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .database import Database
@@ -21,6 +24,48 @@ logger = logging.getLogger("slapo.tune")
 
 class TuneError(RuntimeError):
     """A tuning run cannot start or go on (empty space, bad options, ...)."""
+
+
+class TuneInterrupted(KeyboardInterrupt):
+    """The tuner received SIGTERM or SIGHUP; handled like Ctrl-C (a ``KeyboardInterrupt``).
+
+    ``signum`` is the signal; the running trial is stopped and the database saved first.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _termination_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM and SIGHUP into :class:`TuneInterrupted` in the main thread, once.
+
+    Their default action ends the process on the spot, with no chance to stop the trial or
+    save the database. Only signals left at their default are taken over (``nohup`` keeps
+    SIGHUP ignored); after the first one, repeats are ignored so the (bounded) cleanup
+    finishes. SIGINT already raises KeyboardInterrupt.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    fired = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise TuneInterrupted(signum)
+
+    previous = {}
+    for sig in (signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class Tuner:
@@ -123,8 +168,20 @@ class Tuner:
     def run(self) -> list[dict[str, Any]]:
         """Run trials until the budget is spent or every configuration is measured.
 
-        Returns this space's records (earlier runs included), in the order measured.
+        Returns this space's records (earlier runs included), in the order measured. Ctrl-C,
+        SIGTERM or SIGHUP kill the running trial's whole process group, save the database
+        (the interrupted trial is not recorded, so a re-run measures it) and raise
+        ``KeyboardInterrupt`` (:class:`TuneInterrupted` for the signals). A trial never
+        outlives the tuner, even one killed with SIGKILL (see :func:`run_trial`).
         """
+        with _termination_as_interrupt():
+            try:
+                return self._run()
+            except KeyboardInterrupt:
+                self.db.save()  # the file exists and parses even if no trial finished
+                raise
+
+    def _run(self) -> list[dict[str, Any]]:
         from tqdm.auto import tqdm
 
         scores = self._scores()
