@@ -125,7 +125,9 @@ def bench_linear_cross_entropy(quick: bool) -> None:
     )
     # The rise of peak RSS in a fresh process; below a MiB it is lost in allocator reuse.
     fused_rss = f"{rss['fused'] / mib:8.1f} MiB" if rss["fused"] >= mib else "   < 1.0 MiB"
-    print(f"  rise of peak RSS:   plain head {rss['plain'] / mib:8.1f} MiB | chunked fused {fused_rss}")
+    print(
+        f"  rise of peak RSS:   plain head {rss['plain'] / mib:8.1f} MiB | chunked fused {fused_rss}"
+    )
 
 
 def bench_trace_llama(quick: bool) -> None:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from slapo.model_schedule.space import FUSIBLE
-from slapo.train import MODELS, Layout, PeakMemory, Runner, TrainConfig, _batches
+from slapo.train import MODELS, Layout, PeakMemory, Runner, TrainConfig, make_batches
 
 
 def measure(model: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -29,8 +29,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, dict[str, float]]
         progress=False,
     )  # fmt: skip
     layout = Layout()
-    runners = {"base": Runner(cfg, layout, scheduled=False), "sched": Runner(cfg, layout, scheduled=True)}
-    batches = {name: _batches(cfg, layout) for name in runners}
+    runners = {
+        "base": Runner(cfg, layout, scheduled=False),
+        "sched": Runner(cfg, layout, scheduled=True),
+    }
+    batches = {name: make_batches(cfg, layout) for name in runners}
     times: dict[str, list[float]] = {name: [] for name in runners}
     losses: dict[str, float] = {}
     peaks: dict[str, PeakMemory] = {}
@@ -65,11 +68,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps "
-          f"({args.warmup} warm-up), batch {args.batch_size} x seq {args.seq_len}, steps interleaved")
-    head = (f"{'family':<7} {'tok/s base':>10} {'tok/s sched':>11} {'ratio':>6} "
-            f"{'peak MiB base':>13} {'peak MiB sched':>14} {'act MiB base':>12} "
-            f"{'act MiB sched':>13} {'loss base':>9} {'loss sched':>10}")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps "
+        f"({args.warmup} warm-up), batch {args.batch_size} x seq {args.seq_len}, steps interleaved"
+    )
+    head = (
+        f"{'family':<7} {'tok/s base':>10} {'tok/s sched':>11} {'ratio':>6} "
+        f"{'peak MiB base':>13} {'peak MiB sched':>14} {'act MiB base':>12} "
+        f"{'act MiB sched':>13} {'loss base':>9} {'loss sched':>10}"
+    )
     print(head)
     print("-" * len(head))
     for model in args.models:

@@ -14,8 +14,6 @@ def update_space(args, space):
     batch = space.create_symbol("batch_size", [4, 8, 16, 32])
     # Dependent symbol: keep the tokens per device bounded, so the candidates for the
     # sequence length depend on the batch size chosen above.
-    space.create_symbol(
-        "seq_len", [s for s in (256, 512, 1024) if batch.value * s <= 16384 * gpus]
-    )
+    space.create_symbol("seq_len", [s for s in (256, 512, 1024) if batch.value * s <= 16384 * gpus])
     space.create_symbol("ckpt_ratio", [0.0, 0.5, 1.0])
     return space

@@ -18,8 +18,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 from .batch import RoundPipePackedData
 from .context import (
     OptimizerCtx,
@@ -30,6 +28,7 @@ from .context import (
 )
 from .device import DeviceMemoryError, get_devices, get_num_devices, init_devices
 from .grad_scaler import GradScaler
+from .optim import Adam, RoundPipeOptimizer
 from .roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
 from .run_config import RoundPipeRunConfig
 from .scheduler import ModelExecutePlan
@@ -58,12 +57,3 @@ __all__ = [
     "save_for_recompute",
     "wrap_model_to_roundpipe",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # the C++ Adam compiles on first use; import it lazily so `import roundpipe` stays cheap
-    if name in ("Adam", "RoundPipeOptimizer"):
-        from . import optim
-
-        return getattr(optim, name)
-    raise AttributeError(f"module 'roundpipe' has no attribute {name!r}")

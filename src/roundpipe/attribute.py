@@ -46,7 +46,9 @@ class ParamAttribute:
         return attr
 
     @classmethod
-    def set(cls, t: nn.Parameter, layer_id: int | None, optim_dtype: torch.dtype | None = None) -> ParamAttribute:
+    def set(
+        cls, t: nn.Parameter, layer_id: int | None, optim_dtype: torch.dtype | None = None
+    ) -> ParamAttribute:
         """Attach (or extend) a ParamAttribute, creating the optimizer copy on first use."""
         if cls.has(t):
             attr = cls.get(t)
@@ -77,19 +79,26 @@ class LayerAttribute:
         self._copy_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return (f"LayerAttribute({self.name}, launched={self.launched}, copied={self.copied}, "
-                f"grads_taken={self.grads_taken})")
+        return (
+            f"LayerAttribute({self.name}, launched={self.launched}, copied={self.copied}, "
+            f"grads_taken={self.grads_taken})"
+        )
 
     # -- device side ---------------------------------------------------------------------
     def forward_fence(self, state: RunState | None = None) -> None:
         """Wait until the parameters are at most one step stale."""
-        wait_until(lambda: self.copied >= self.launched - 1,
-                   f"parameters of {self.name}", self.cond, state)
+        wait_until(
+            lambda: self.copied >= self.launched - 1, f"parameters of {self.name}", self.cond, state
+        )
 
     def backward_fence(self, state: RunState | None = None) -> None:
         """Wait as :meth:`forward_fence`, and for the optimizer to take the previous grads."""
-        wait_until(lambda: self.copied >= self.launched - 1 and self.grads_taken >= self.launched,
-                   f"gradients of {self.name}", self.cond, state)
+        wait_until(
+            lambda: self.copied >= self.launched - 1 and self.grads_taken >= self.launched,
+            f"gradients of {self.name}",
+            self.cond,
+            state,
+        )
 
     def forward_backward_fence(self, state: RunState | None = None) -> None:
         """Fence for the fused forward-backward stage."""
@@ -188,12 +197,11 @@ def unique_params(module: nn.Module) -> list[nn.Parameter]:
     return out
 
 
-def make_layer_attribute(name: str, module: nn.Module, layer_id: int | None,
-                         optim_dtype: torch.dtype | None) -> LayerAttribute:
+def make_layer_attribute(
+    name: str, module: nn.Module, layer_id: int | None, optim_dtype: torch.dtype | None
+) -> LayerAttribute:
     """Create the LayerAttribute of ``module`` and the ParamAttributes of its parameters."""
     params = unique_params(module)
     for p in params:
         ParamAttribute.set(p, layer_id, optim_dtype)
     return LayerAttribute(name, params)
-
-

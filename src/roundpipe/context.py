@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "ForwardCtx",
@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 flags = threading.local()
+_Scope = TypeVar("_Scope", bound="_LayerScope")
 
 
 def _stack(name: str) -> list:
@@ -32,36 +33,39 @@ def _stack(name: str) -> list:
     return stack
 
 
-class ForwardCtx:
+class _LayerScope:
+    """Pushes itself on the thread's ``_STACK`` stack for the duration of a ``with`` block."""
+
+    _STACK = ""
+
+    def __enter__(self: _Scope) -> _Scope:
+        _stack(self._STACK).append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _stack(self._STACK).pop()
+
+
+class ForwardCtx(_LayerScope):
     """Marks a scope as a RoundPipe forward pass of one layer.
 
     ``save_for_recompute`` receives whatever the layer passes to the module-level
     :func:`save_for_recompute`; RoundPipe hands it back during recompute.
     """
 
+    _STACK = "forward"
+
     def __init__(self, save_for_recompute: Callable[..., None]) -> None:
         self.save_for_recompute = save_for_recompute
 
-    def __enter__(self) -> ForwardCtx:
-        _stack("forward").append(self)
-        return self
 
-    def __exit__(self, *exc: Any) -> None:
-        _stack("forward").pop()
-
-
-class RecomputeCtx:
+class RecomputeCtx(_LayerScope):
     """Marks a scope as a RoundPipe recompute of one layer, carrying its saved data."""
+
+    _STACK = "recompute"
 
     def __init__(self, recompute_data: Any) -> None:
         self.recompute_data = recompute_data
-
-    def __enter__(self) -> RecomputeCtx:
-        _stack("recompute").append(self)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        _stack("recompute").pop()
 
 
 class OptimizerCtx:

@@ -16,6 +16,7 @@ Nothing here runs at import time: devices are created on first use (or by
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import queue
@@ -33,6 +34,7 @@ __all__ = [
     "DeviceMemoryError",
     "InterStreamMemManager",
     "MemoryAccount",
+    "UPLOAD_MARK_LIMIT",
     "cur_device",
     "device_list",
     "gc_collect",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 GB = 1024**3
+# most upload-stream events a device keeps (DeviceManager.mark_upload)
+UPLOAD_MARK_LIMIT = 64
 
 
 class DeviceMemoryError(MemoryError):
@@ -103,6 +107,9 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
+    def record_event(self, event: Any = None) -> _DoneEvent:
+        return _DoneEvent()
+
 
 class _DoneEvent:
     """Event stand-in for CPU virtual devices: always complete."""
@@ -124,46 +131,52 @@ class InterStreamMemManager:
     """Keeps storages alive until every stream that used them has passed a marker event.
 
     On CUDA, freeing a tensor allocated on one stream while another stream still reads it
-    would let the caching allocator hand the memory out too early; we hold a reference until
-    an event recorded on each using stream completes. On CPU this holds nothing.
+    would let the caching allocator hand the memory out too early; holding a reference until
+    an event recorded on each using stream completes prevents that (the alternative to
+    ``Tensor.record_stream``). On CPU virtual devices the markers are always complete, so a
+    storage is released at the next :meth:`stream_synced`.
+
+    Example:
+        >>> mm = InterStreamMemManager()
+        >>> mm.free(torch.ones(4).untyped_storage(), _NullStream())
+        >>> len(mm.free_queue), (mm.stream_synced(), len(mm.free_queue))[1]
+        (1, 0)
     """
 
     def __init__(self, *streams: Any) -> None:
         self.streams = streams
         self.free_queue: list[tuple[Any, list[Any]]] = []
-        self.in_use: dict[int, list[Any]] = {}
+        self.in_use: dict[int, tuple[Any, list[Any]]] = {}
         self._lock = threading.Lock()
 
     def record_stream(self, tensor: torch.Tensor, from_stream: Any, use_stream: Any) -> None:
         """Note that ``tensor`` (last used on ``from_stream``) is now used on ``use_stream``."""
-        key = tensor.untyped_storage().data_ptr()
+        storage = tensor.untyped_storage()
         with self._lock:
-            used = self.in_use.setdefault(key, [from_stream])
-            assert used[-1] is from_stream, "tensor moved from a stream it was not used on"
+            _, used = self.in_use.setdefault(storage.data_ptr(), (storage, [from_stream]))
+            if used[-1] is not from_stream:
+                raise RuntimeError("record_stream: the tensor was last used on another stream")
             used.append(use_stream)
 
     def free(self, storage: Any, *use_streams: Any) -> None:
-        """Drop ``storage`` once all ``use_streams`` have finished with it."""
-        if not torch.cuda.is_available() or not use_streams:
+        """Hold ``storage`` until all ``use_streams`` have finished the work queued so far."""
+        if not use_streams:
             return
-        events = []
-        for s in use_streams:
-            ev = torch.cuda.Event()
-            ev.record(s)
-            events.append(ev)
+        events = [s.record_event() for s in use_streams]
         with self._lock:
             self.free_queue.append((storage, events))
 
     def stream_synced(self, waiter: Any = None, wait_for: Any = None) -> None:
         """Release every held storage whose marker events completed."""
         with self._lock:
-            self.free_queue = [(s, evs) for s, evs in self.free_queue if not all(e.query() for e in evs)]
+            self.free_queue = [e for e in self.free_queue if not all(ev.query() for ev in e[1])]
 
     def flush(self) -> None:
-        """Move tracked in-use tensors to the free queue on all streams."""
+        """Move every tracked in-use storage to the free queue."""
         with self._lock:
-            self.in_use.clear()
-        self.stream_synced()
+            tracked, self.in_use = list(self.in_use.values()), {}
+        for storage, streams in tracked:
+            self.free(storage, *streams)
 
     def free_all(self) -> None:
         """Forget everything (call only when all streams are idle)."""
@@ -176,7 +189,9 @@ class DeviceManager:
     """Streams, memory account and worker thread of one device.
 
     The worker executes queued jobs one at a time; a job's exception is recorded in its
-    :class:`~roundpipe.threads.RunState` (never lost), which stops the whole run.
+    :class:`~roundpipe.threads.RunState` (never lost), which stops the whole run. Which
+    jobs exist is not this module's business: :mod:`roundpipe.run` queues its stage jobs
+    here with :meth:`submit`, so devices sit below the runtime in the import layers.
     """
 
     def __init__(self, id: int, device: torch.device, budget: int | None = None) -> None:
@@ -198,7 +213,9 @@ class DeviceManager:
         self.mem_manager = InterStreamMemManager(
             self.param_upstream, self.upstream, self.compute_stream, self.downstream
         )
-        self.upload_mark: list[Any] = []
+        # events on the upload stream still pending (see mark_upload); bounded
+        self.upload_mark: collections.deque[Any] = collections.deque(maxlen=UPLOAD_MARK_LIMIT)
+        self._mark_lock = threading.Lock()
         self.jobs: queue.Queue = queue.Queue()
         self.cur_job: tuple | None = None
         self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-device-{id}")
@@ -224,15 +241,34 @@ class DeviceManager:
         self.mem_manager.stream_synced(waiter, wait_for)
 
     def mark_upload(self) -> None:
-        """Record an event on the upload stream after enqueuing host-to-device copies."""
+        """Record an event on the upload stream after enqueuing host-to-device copies.
+
+        Only events still pending are kept: the marks are recorded in order on one stream,
+        which completes them in order, so completed ones are dropped from the front, and past
+        :data:`UPLOAD_MARK_LIMIT` pending marks the oldest is dropped (waiting for a newer
+        mark covers it). The list therefore stays bounded for the life of the process.
+
+        Example:
+            >>> dev = DeviceManager(0, torch.device("cpu"))
+            >>> for _ in range(1000):
+            ...     dev.mark_upload()
+            >>> len(dev.upload_mark)  # CPU marks complete at once
+            1
+            >>> dev.shutdown_controller()
+        """
         ev = self.new_event()
         if self.is_cuda:
             ev.record(self.upstream)
-        self.upload_mark.append(ev)
+        with self._mark_lock:
+            while self.upload_mark and self.upload_mark[0].query():
+                self.upload_mark.popleft()
+            self.upload_mark.append(ev)
 
     def flush_upload_marks(self) -> list[Any]:
-        """Return outstanding upload events and clear the list."""
-        marks, self.upload_mark = self.upload_mark, []
+        """Return the still-pending upload events and clear the list."""
+        with self._mark_lock:
+            marks = list(self.upload_mark)
+            self.upload_mark.clear()
         return [m for m in marks if not m.query()]
 
     def synchronize(self) -> None:
@@ -247,27 +283,6 @@ class DeviceManager:
             raise RuntimeError(f"{self} has been shut down")
         state.add_jobs(1)
         self.jobs.put((state, what, fn, args))
-
-    def launch_forward(self, layer_group_id: int, run: Any) -> None:
-        """Queue the forward of one layer group over all microbatches of ``run``."""
-        from .run import run_forward
-
-        self.submit(run.state, f"forward group {layer_group_id} on {self.device}:{self.id}",
-                    run_forward, self, run, layer_group_id)
-
-    def launch_backward(self, layer_group_id: int, run: Any) -> None:
-        """Queue the recompute + backward of one layer group over all microbatches."""
-        from .run import run_backward
-
-        self.submit(run.state, f"backward group {layer_group_id} on {self.device}:{self.id}",
-                    run_backward, self, run, layer_group_id)
-
-    def launch_forward_backward(self, run: Any) -> None:
-        """Queue the fused forward + loss + backward of the last layer group."""
-        from .run import run_forward_backward
-
-        self.submit(run.state, f"fused forward-backward on {self.device}:{self.id}",
-                    run_forward_backward, self, run)
 
     def controller(self) -> None:
         """Worker loop: run queued jobs until shut down."""
@@ -348,7 +363,9 @@ def init_devices(
             backend = "cuda"
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
-    budget = parse_bytes(memory_limit, "memory_limit") if memory_limit is not None else _default_budget()
+    budget = (
+        parse_bytes(memory_limit, "memory_limit") if memory_limit is not None else _default_budget()
+    )
     with _init_lock:
         shutdown_devices()
         if backend == "cuda":
@@ -361,10 +378,14 @@ def init_devices(
                 try:
                     num_virtual = int(env_n) if env_n else 1
                 except ValueError as e:
-                    raise ValueError(f"ROUNDPIPE_VIRTUAL_DEVICES must be an integer, got {env_n!r}") from e
+                    raise ValueError(
+                        f"ROUNDPIPE_VIRTUAL_DEVICES must be an integer, got {env_n!r}"
+                    ) from e
             if not isinstance(num_virtual, int) or isinstance(num_virtual, bool) or num_virtual < 1:
                 raise ValueError(f"num_virtual must be a positive int, got {num_virtual!r}")
-            device_list.extend(DeviceManager(i, torch.device("cpu"), budget) for i in range(num_virtual))
+            device_list.extend(
+                DeviceManager(i, torch.device("cpu"), budget) for i in range(num_virtual)
+            )
         cur_device = 0
     return list(device_list)
 
@@ -424,5 +445,8 @@ def gc_collect() -> None:
 
 def wait_devices_idle(timeout: float | None = None) -> None:
     """Wait until no device worker has queued or running jobs."""
-    wait_until(lambda: all(d.jobs.empty() and d.cur_job is None for d in device_list),
-               "devices to become idle", timeout=timeout)
+    wait_until(
+        lambda: all(d.jobs.empty() and d.cur_job is None for d in device_list),
+        "devices to become idle",
+        timeout=timeout,
+    )

@@ -49,8 +49,14 @@ class GradScaler:
         tensor(256.)
     """
 
-    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
         if init_scale <= 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
         if growth_factor <= 1.0:
@@ -88,7 +94,9 @@ class GradScaler:
             return outputs * s
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
-        raise TypeError(f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}")
+        raise TypeError(
+            f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}"
+        )
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Update the scale after a step (queued on the optimizer thread behind the step)."""
@@ -109,7 +117,9 @@ class GradScaler:
             synchronize_optim()
             return
         if id(optimizer) in self._unscaled:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update()")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()"
+            )
         inv = 1.0 / self._optim_scale
         found = False
         with torch.no_grad():
@@ -208,9 +218,13 @@ class GradScaler:
         if not self.enabled:
             return {}
         synchronize_optim()
-        return {"scale": self._optim_scale, "growth_factor": self._growth_factor,
-                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
-                "_growth_tracker": self._growth_tracker}
+        return {
+            "scale": self._optim_scale,
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._growth_tracker,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state produced by :meth:`state_dict` or ``torch.amp.GradScaler``."""

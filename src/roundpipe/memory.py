@@ -39,7 +39,9 @@ def pin_module_register(mod: nn.Module) -> None:
     transfer speed cost.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("pin_model='register' needs CUDA; use pin_model='off' on CPU-only machines")
+        raise RuntimeError(
+            "pin_model='register' needs CUDA; use pin_model='off' on CPU-only machines"
+        )
     cudart = torch.cuda.cudart()
     for t in _tensors(mod):
         if t.is_pinned():

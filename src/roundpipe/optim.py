@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from roundpipe import optim_builder, optim_stream
-from roundpipe.roundpipe import RoundPipeBase
+from .optim_builder import OptimBuildError, get_optim_function
+from .optim_stream import on_optim_stream, synchronize_optim
+from .roundpipe import RoundPipeBase
 
 __all__ = ["Adam", "RoundPipeOptimizer"]
 
@@ -186,7 +187,7 @@ class Adam(Optimizer):
         # master param -> low-precision model copy, written in the same pass (register_shadow).
         self._shadows: dict[Tensor, Tensor] = {}
         if implementation == "cpp":
-            optim_builder.get_optim_function("adam")  # fail here, not at the first step
+            get_optim_function("adam")  # fail here, not at the first step
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Sets the state of the optimizer, filling in keys that older state dicts lack.
@@ -314,8 +315,8 @@ class Adam(Optimizer):
         if self.implementation == "torch":
             return None
         try:
-            return optim_builder.get_optim_function("adam")
-        except optim_builder.OptimBuildError as exc:
+            return get_optim_function("adam")
+        except OptimBuildError as exc:
             if self.implementation == "cpp":
                 raise
             if not Adam._warned:
@@ -618,7 +619,7 @@ class RoundPipeOptimizer(Optimizer):
 
     def _wait(self) -> None:
         """Wait for launched steps, so the inner optimizer may be read or changed here."""
-        optim_stream.synchronize_optim()
+        synchronize_optim()
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -639,7 +640,7 @@ class RoundPipeOptimizer(Optimizer):
             RuntimeError: called on RoundPipe's optimizer thread (e.g. inside
                 ``model.step(...)``): this method runs ``model.step`` itself.
         """
-        if optim_stream.on_optim_stream():
+        if on_optim_stream():
             raise RuntimeError(
                 "RoundPipeOptimizer.step() runs model.step() itself: call it from the training "
                 "loop, not inside model.step(...) (use its .optimizer there)"

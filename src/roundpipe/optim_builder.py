@@ -130,9 +130,9 @@ def _file_lock(path: Path) -> Iterator[None]:
     stale lock behind (unlike a lock file whose existence is the lock).
     """
     try:
-        import fcntl
+        import fcntl  # deferred: POSIX only; the fallback below covers other systems
     except ImportError:  # not POSIX: torch's own baton, which polls for a lock file
-        from torch.utils.file_baton import FileBaton
+        from torch.utils.file_baton import FileBaton  # deferred: only without fcntl
 
         baton = FileBaton(str(path) + ".baton")
         if baton.try_acquire():
@@ -202,7 +202,7 @@ def load_optim_function(name: str) -> Callable:
 
 
 def _compile(module_name: str, sources: list[Path], build_dir: Path) -> object:
-    from torch.utils import cpp_extension
+    from torch.utils import cpp_extension  # deferred: heavy, needed only to compile
 
     # ninja writes the .so under its final name only once linking succeeded.
     return cpp_extension.load(

@@ -10,12 +10,18 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import optim_stream
 from .attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
 from .batch import Batch
 from .context import doing_optimizer
 from .device import get_devices
+from .grad_scaler import snapshot_scalers
 from .memory import pin_module
+from .optim_stream import (
+    launch_optim_kernel,
+    on_optim_stream,
+    raise_pending_error,
+    synchronize_optim,
+)
 from .run import RoundPipeBatchedBackward, RoundPipeRun
 from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from .scheduler import ModelExecutePlan
@@ -263,7 +269,7 @@ class RoundPipeBase(nn.Module):
     def step(
         self, step_fn: Callable[..., Any], is_async: bool = True, *args: Any, **kwargs: Any
     ) -> None:
-        """Run ``step_fn`` (e.g. ``optimizer.step(); optimizer.zero_grad()``) on the optimizer thread.
+        """Run ``step_fn`` (e.g. ``opt.step(); opt.zero_grad()``) on the optimizer thread.
 
         Gradients accumulated since the last step are added to the optimizer copies' ``.grad``
         first. With ``is_async=True`` this returns at once and the next forward + backward
@@ -278,9 +284,7 @@ class RoundPipeBase(nn.Module):
         """
         if not callable(step_fn):
             raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
-        optim_stream.raise_pending_error()
-        from .grad_scaler import snapshot_scalers
-
+        raise_pending_error()
         launches = [(a, *a.launch_step(flush_now=not is_async)) for a in self._all_layer_attrs()]
         restore_scalers = snapshot_scalers()
 
@@ -294,7 +298,7 @@ class RoundPipeBase(nn.Module):
                 for attr, k, bwd in launches:
                     attr.finish_step(k, bwd)
 
-        optim_stream.launch_optim_kernel(kernel)
+        launch_optim_kernel(kernel)
         if not is_async:
             self.synchronize()
 
@@ -302,8 +306,8 @@ class RoundPipeBase(nn.Module):
         """Copy every pending optimizer update into the model parameters now."""
         for a in self._all_layer_attrs():
             a.flush()
-        if not optim_stream.on_optim_stream():
-            optim_stream.synchronize_optim()
+        if not on_optim_stream():
+            synchronize_optim()
             for a in self._all_layer_attrs():
                 a.wait_copied()
 
@@ -354,7 +358,8 @@ class RoundPipe(RoundPipeBase):
         model_run_config = RoundPipeRunConfig() if model_run_config is None else model_run_config
         if not isinstance(model_run_config, RoundPipeRunConfig):
             raise TypeError(
-                f"model_run_config must be a RoundPipeRunConfig, got {type(model_run_config).__name__}"
+                "model_run_config must be a RoundPipeRunConfig, got "
+                f"{type(model_run_config).__name__}"
             )
         if pin_model not in ("alloc", "register", "off"):
             raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
@@ -391,7 +396,7 @@ class RoundPipe(RoundPipeBase):
     def _leftover_attr(
         self, model: nn.Module, layer_list: list[nn.Module]
     ) -> LayerAttribute | None:
-        """Parameters of ``model`` not in any layer: they never run, but still get optimizer copies."""
+        """Parameters of ``model`` in no layer: they never run, but still get optimizer copies."""
         covered = {id(p) for layer in layer_list for p in layer.parameters()}
         rest = [p for p in unique_params(model) if id(p) not in covered]
         for p in rest:
@@ -420,7 +425,7 @@ class RoundPipe(RoundPipeBase):
         With gradients enabled, the result is attached to the autograd graph and
         ``loss.backward()`` runs the pipelined recompute + backward.
         """
-        optim_stream.raise_pending_error()
+        raise_pending_error()
         cfg = FullRoundPipeRunConfig(
             roundpipe_run_config or RoundPipeRunConfig(), self.model_run_config
         )
@@ -489,7 +494,7 @@ class RoundPipe(RoundPipeBase):
             raise RuntimeError(
                 "forward_backward needs gradients enabled (called under torch.no_grad)"
             )
-        optim_stream.raise_pending_error()
+        raise_pending_error()
         cfg = FullRoundPipeRunConfig(run_config or RoundPipeRunConfig(), self.model_run_config)
         cfg.requires_grad = True
         batch = Batch(input_args, input_kwargs or {}, cfg, label)
@@ -525,7 +530,7 @@ class RoundPipe(RoundPipeBase):
             total = [torch.stack([mb[i] for mb in losses]).sum(0) for i in range(len(losses[0]))]
         if not return_outputs:
             return total
-        outs = [pytree.tree_unflatten(c.outputs[0], c.outputs[1]) for c in run.contexts]  # type: ignore[index]
+        outs = [pytree.tree_unflatten(*c.outputs[:2]) for c in run.contexts]  # type: ignore[index]
         return total, batch.dump(cfg, outs)
 
 
@@ -578,7 +583,7 @@ class AutoRoundPipe(RoundPipeBase):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Apply pending updates of host-run parameters, then call the model."""
-        optim_stream.raise_pending_error()
+        raise_pending_error()
         if self.local_attr.params and self.local_attr.copied < self.local_attr.launched:
             self.local_attr.flush()
             self.local_attr.wait_copied()

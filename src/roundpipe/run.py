@@ -9,9 +9,10 @@ Activations and gradients travel between stages through host memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -21,13 +22,10 @@ from .context import ForwardCtx, RecomputeCtx
 from .device import DeviceManager, get_devices, get_next_device
 from .profile import annotate
 from .run_config import FullRoundPipeRunConfig
-from .scheduler import ModelExecutePlan, ModelTracker
+from .scheduler import ModelExecutePlan, ModelTracker, PipelineModel
 from .threads import RunState
-from .transfer import async_d2h, async_h2d, download_layer, upload_layers
+from .transfer import StageOnDevice, async_d2h, async_h2d, download_layer, upload_layers
 from .utils import derive_seed
-
-if TYPE_CHECKING:
-    from .roundpipe import RoundPipe
 
 __all__ = [
     "RoundPipeBatchedBackward",
@@ -54,6 +52,33 @@ def call_layer(layer: torch.nn.Module, leaves: list[Any], spec: Any, is_args: bo
     if type(value) is tuple:
         return layer(*value)
     return layer(value)
+
+
+# calls one layer of a stage: (layer id, layer, input leaves, input spec, is_call_args) -> output
+LayerCall = Callable[[int, torch.nn.Module, list[Any], Any, bool], Any]
+
+
+def _run_chain(
+    layer_ids: range,
+    layers: list[torch.nn.Module],
+    state: State,
+    call: LayerCall,
+    boundary: list[State] | None = None,
+) -> tuple[Any, list[Any], Any]:
+    """Run ``layers`` in order, each on the previous one's output; the first gets ``state``.
+
+    Returns the last output with its flattened leaves and spec. ``boundary`` (if given)
+    collects the input state of every layer.
+    """
+    h, hs, ha = state
+    out = None
+    for li, layer in zip(layer_ids, layers):
+        if boundary is not None:
+            boundary.append((h, hs, ha))
+        out = call(li, layer, h, hs, ha)
+        h, hs = pytree.tree_flatten(out)
+        ha = False
+    return out, h, hs
 
 
 def _is_float(t: Any) -> bool:
@@ -84,7 +109,7 @@ class RoundPipeRunContext:
             if layer_id in self.recompute_data:
                 raise RuntimeError(f"save_for_recompute called twice by layer {layer_id}")
             leaves, spec = pytree.tree_flatten(data)
-            self.recompute_data[layer_id] = pytree.tree_unflatten(async_d2h(device, [], leaves), spec)
+            self.recompute_data[layer_id] = pytree.tree_unflatten(async_d2h(device, leaves), spec)
 
     def cut_recompute_data(self, layer_id: int) -> Any:
         """Retrieve and forget the data saved by ``layer_id``."""
@@ -98,14 +123,21 @@ class RoundPipeRunContext:
         if data is None:
             return None
         leaves, spec = pytree.tree_flatten(data)
-        return pytree.tree_unflatten(async_h2d(device, [], leaves), spec)
+        return pytree.tree_unflatten(async_h2d(device, leaves), spec)
 
 
 class RoundPipeRun:
     """Everything one call of a RoundPipe model needs: batch, plan, progress, errors."""
 
-    def __init__(self, model: RoundPipe, config: FullRoundPipeRunConfig, batch: Batch,
-                 plan: ModelExecutePlan, enable_grad: bool, kind: str) -> None:
+    def __init__(
+        self,
+        model: PipelineModel,
+        config: FullRoundPipeRunConfig,
+        batch: Batch,
+        plan: ModelExecutePlan,
+        enable_grad: bool,
+        kind: str,
+    ) -> None:
         self.model = model
         self.config = config
         self.batch = batch
@@ -125,7 +157,8 @@ class RoundPipeRun:
             for leaves in batch.flatten_states
         ]
         self.states: list[State] = [
-            (list(leaves), spec, True) for leaves, spec in zip(batch.flatten_states, batch.flatten_specs)
+            (list(leaves), spec, True)
+            for leaves, spec in zip(batch.flatten_states, batch.flatten_specs)
         ]
         self.loss_fn: Callable | None = None
         self.return_outputs = False
@@ -140,21 +173,17 @@ class RoundPipeRun:
         seed = derive_seed(self.base_seed, layer_id, microbatch_id)
         if device.is_cuda:
             gen = torch.cuda.default_generators[device.device.index or 0]
+            lock: contextlib.AbstractContextManager = contextlib.nullcontext()
+        else:
+            # CPU virtual devices share the global CPU generator: serialize seeded sections
+            gen, lock = torch.default_generator, _cpu_rng_lock
+        with lock:
             saved = gen.get_state()
             gen.manual_seed(seed)
             try:
                 yield
             finally:
                 gen.set_state(saved)
-            return
-        # CPU virtual devices share the global CPU generator: serialize seeded sections
-        with _cpu_rng_lock:
-            saved = torch.get_rng_state()
-            torch.manual_seed(seed)
-            try:
-                yield
-            finally:
-                torch.set_rng_state(saved)
 
     def layer_attrs(self, layers: range) -> list[Any]:
         return [self.model.layer_attrs[i] for i in layers]
@@ -163,20 +192,27 @@ class RoundPipeRun:
         return [self.model.layers[i] for i in layers]
 
     # -- launching -------------------------------------------------------------------------
+    # Jobs are queued here, on the next device round-robin; a device only executes them.
+    def _launch(self, what: str, job: Callable[..., None], *args: Any) -> None:
+        device = get_next_device()
+        device.submit(
+            self.state, f"{what} on {device.device}:{device.id}", job, device, self, *args
+        )
+
     def launch_forward(self, fused: bool) -> None:
         """Queue forward stages (and, when ``fused``, the fused stage and backward stages)."""
         n_fwd = len(self.plan.fwd_plan) - (1 if fused else 0)
         for gid in range(n_fwd):
-            get_next_device().launch_forward(gid, self)
+            self._launch(f"forward group {gid}", run_forward, gid)
         if fused:
-            get_next_device().launch_forward_backward(self)
+            self._launch("fused forward-backward", run_forward_backward)
             for gid in range(1, len(self.plan.bwd_plan)):
-                get_next_device().launch_backward(gid, self)
+                self._launch(f"backward group {gid}", run_backward, gid)
 
     def launch_backward(self) -> None:
         """Queue all backward stages (non-fused training)."""
         for gid in range(len(self.plan.bwd_plan)):
-            get_next_device().launch_backward(gid, self)
+            self._launch(f"backward group {gid}", run_backward, gid)
 
     def join(self) -> None:
         """Wait for every queued job; re-raise the first worker error here."""
@@ -194,49 +230,97 @@ class RoundPipeRun:
         return out
 
 
-def _upload(device: DeviceManager, run: RoundPipeRun, layers: range, with_grad: bool, what: str) -> Any:
-    return upload_layers(run.host_layers(layers), run.layer_attrs(layers), device, with_grad,
-                         f"{run.model.name} {what} layers {layers.start}-{layers.stop - 1}")
+# stage kind -> (LayerAttribute fence, gradients uploaded and downloaded, buffers downloaded)
+_STAGE_KINDS = {
+    "forward": ("forward_fence", False, True),
+    "backward": ("backward_fence", True, False),
+    "fused": ("forward_backward_fence", True, True),
+}
 
 
-def _save_fn(run: RoundPipeRun, ctx: RoundPipeRunContext, layer_id: int, device: DeviceManager) -> Callable[..., None]:
+@contextlib.contextmanager
+def _stage_on(
+    device: DeviceManager, run: RoundPipeRun, layers: range, kind: str
+) -> Iterator[StageOnDevice]:
+    """Fence and upload ``layers`` for a stage of ``kind``; when the block succeeds, copy
+    buffers / gradients back to the host; always free the device copies.
+
+    Stages with a backward are timed as a whole (forward stages time each layer).
+    """
+    fence, with_grad, with_buffer = _STAGE_KINDS[kind]
+    attrs = run.layer_attrs(layers)
+    for attr in attrs:
+        getattr(attr, fence)(run.state)
+    what = f"{run.model.name} {kind} layers {layers.start}-{layers.stop - 1}"
+    stage = upload_layers(run.host_layers(layers), attrs, device, with_grad, what)
+    try:
+        timed = run.timer.time_bwd(layers, device.compute_stream) if with_grad else None
+        with timed or contextlib.nullcontext():
+            yield stage
+        download_layer(stage, device, with_buffer=with_buffer, with_grad=with_grad)
+    finally:
+        stage.free()
+
+
+def _save_fn(
+    run: RoundPipeRun, ctx: RoundPipeRunContext, layer_id: int, device: DeviceManager
+) -> Callable[..., None]:
     return lambda *data: ctx.save_for_recompute(layer_id, device, *data)
+
+
+def _forward_layer(
+    run: RoundPipeRun,
+    device: DeviceManager,
+    ctx: RoundPipeRunContext,
+    stage_input: tuple[list[Any], int],
+    li: int,
+    layer: torch.nn.Module,
+    x: list[Any],
+    spec: Any,
+    is_args: bool,
+) -> Any:
+    """Forward one layer without autograd, keeping its host input when backward needs it.
+
+    ``stage_input`` is the stage's host input leaves and first layer id: the first layer's
+    input is already on the host.
+    """
+    m = ctx.microbatch_id
+    if run.enable_grad and run.tracker.backward_need_input(li):
+        host_leaves, first = stage_input
+        host = host_leaves if li == first else async_d2h(device, x)
+        ctx.save_input(li, (host, spec, is_args))
+    fwd_ctx = ForwardCtx(_save_fn(run, ctx, li, device)) if run.enable_grad else None
+    with (
+        torch.no_grad(),
+        annotate(f"fwd layer {li} mb {m}"),
+        run.rng(device, li, m),
+        run.timer.time_fwd("fwd", li, device.compute_stream),
+        fwd_ctx or contextlib.nullcontext(),
+    ):
+        return call_layer(layer, x, spec, is_args)
 
 
 def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
     """Forward one layer group over all microbatches (no autograd graph is kept)."""
     layers = run.plan.fwd_plan[layer_group_id]
-    for attr in run.layer_attrs(layers):
-        attr.forward_fence(run.state)
-    stage = _upload(device, run, layers, False, "forward")
-    try:
+    with _stage_on(device, run, layers, "forward") as stage:
         for m in range(run.num_microbatch):
             run.tracker.forward_wait_for(layer_group_id, m)
             ctx = run.contexts[m]
             leaves, spec, is_args = run.states[m]
-            x = async_h2d(device, [], leaves)
-            for li, layer in zip(layers, stage.layers):
-                if run.enable_grad and run.tracker.backward_need_input(li):
-                    host = leaves if li == layers.start else async_d2h(device, [], x)
-                    ctx.save_input(li, (host, spec, is_args))
-                fwd_ctx = ForwardCtx(_save_fn(run, ctx, li, device)) if run.enable_grad else None
-                with torch.no_grad(), annotate(f"fwd layer {li} mb {m}"), run.rng(device, li, m), \
-                        run.timer.time_fwd("fwd", li, device.compute_stream), \
-                        (fwd_ctx or contextlib.nullcontext()):
-                    out = call_layer(layer, x, spec, is_args)
-                x, spec = pytree.tree_flatten(out)
-                is_args = False
-            run.states[m] = (async_d2h(device, [], x), spec, False)
+            forward = functools.partial(_forward_layer, run, device, ctx, (leaves, layers.start))
+            state = (async_h2d(device, leaves), spec, is_args)
+            _, x, spec = _run_chain(layers, stage.layers, state, forward)
+            run.states[m] = (async_d2h(device, x), spec, False)
             run.tracker.forward_notify(layer_group_id)
-        download_layer(stage, device, with_buffer=True, with_grad=False)
-    finally:
-        stage.free()
 
 
-def _prepare_inputs(run: RoundPipeRun, device: DeviceManager, layers: range, m: int, state: State) -> list[Any]:
+def _prepare_inputs(
+    run: RoundPipeRun, device: DeviceManager, layers: range, m: int, state: State
+) -> list[Any]:
     """Upload a stage input and mark the leaves whose gradients backward must produce."""
     leaves, _, _ = state
-    x = async_h2d(device, [], leaves)
+    x = async_h2d(device, leaves)
     for i, t in enumerate(x):
         needs = run.input_grad_mask[m][i] if layers.start == 0 else _is_float(t)
         if needs:
@@ -249,8 +333,10 @@ def _backward(outputs: Sequence[Any], grads: Sequence[Any] | None) -> None:
     if grads is None:
         return
     if len(outputs) != len(grads):
-        raise RuntimeError(f"backward got {len(grads)} gradients for {len(outputs)} stage outputs; "
-                           "a layer's output structure changed between forward and recompute")
+        raise RuntimeError(
+            f"backward got {len(grads)} gradients for {len(outputs)} stage outputs; "
+            "a layer's output structure changed between forward and recompute"
+        )
     ts, gs = [], []
     for o, g in zip(outputs, grads):
         if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
@@ -264,125 +350,145 @@ def _input_grads(x: list[Any]) -> list[Any]:
     return [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in x]
 
 
-def _recompute_layer(run: RoundPipeRun, device: DeviceManager, ctx: RoundPipeRunContext, li: int,
-                     layer: torch.nn.Module, x: list[Any], spec: Any, is_args: bool) -> Any:
+def _recompute_layer(
+    run: RoundPipeRun,
+    device: DeviceManager,
+    ctx: RoundPipeRunContext,
+    li: int,
+    layer: torch.nn.Module,
+    x: list[Any],
+    spec: Any,
+    is_args: bool,
+) -> Any:
     data = ctx.fetch_recompute_data(li, device)
-    with annotate(f"recompute layer {li} mb {ctx.microbatch_id}"), run.rng(device, li, ctx.microbatch_id), \
-            RecomputeCtx(data):
+    with (
+        annotate(f"recompute layer {li} mb {ctx.microbatch_id}"),
+        run.rng(device, li, ctx.microbatch_id),
+        RecomputeCtx(data),
+    ):
         return call_layer(layer, x, spec, is_args)
 
 
-def _release_copy_back(attrs: list[Any]) -> None:
-    """Signal that this run's backward holds its copy of the layers.
+def _backward_inputs(
+    run: RoundPipeRun,
+    device: DeviceManager,
+    layers: range,
+    wait: Callable[[int], None],
+    host_state: Callable[[RoundPipeRunContext], State],
+) -> Iterator[tuple[RoundPipeRunContext, State]]:
+    """Per microbatch in order, once ``wait(m)`` returned: its context and its stage input
+    (``host_state(ctx)``) uploaded, leaves needing gradients marked.
 
-    Called once microbatch 0 arrived: by then every forward stage of this run uploaded
-    these layers too (the backward job may have uploaded early, before the forward stage
-    of the same layers on another device), so a pending optimizer copy-back can no longer
-    make forward and backward see different values.
+    Once microbatch 0 arrived, the layers signal that this run's backward holds its copy:
+    by then every forward stage of this run uploaded these layers too (the backward job may
+    have uploaded early, before the forward stage of the same layers on another device), so
+    a pending optimizer copy-back can no longer make forward and backward see different values.
     """
-    for attr in attrs:
-        attr.backward_uploaded()
+    for m in range(run.num_microbatch):
+        wait(m)
+        if m == 0:
+            for attr in run.layer_attrs(layers):
+                attr.backward_uploaded()
+        ctx = run.contexts[m]
+        state = host_state(ctx)
+        yield ctx, (_prepare_inputs(run, device, layers, m, state), state[1], state[2])
 
 
 def run_backward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
     """Recompute one backward layer group from its saved input and back-propagate."""
     layers = run.plan.bwd_plan[layer_group_id]
-    attrs = run.layer_attrs(layers)
-    for attr in attrs:
-        attr.backward_fence(run.state)
-    stage = _upload(device, run, layers, True, "backward")
-    try:
-        with run.timer.time_bwd(layers, device.compute_stream):
-            for m in range(run.num_microbatch):
-                run.tracker.backward_wait_for(layer_group_id, m)
-                if m == 0:
-                    _release_copy_back(attrs)
-                ctx = run.contexts[m]
-                state = ctx.saved_inputs.pop(layers.start)
-                grads_out = ctx.grad_states
-                x = _prepare_inputs(run, device, layers, m, state)
-                _, spec, is_args = state
-                if run.config.recompute_grain == "stage":
-                    h, hs, ha = x, spec, is_args
+    wait = functools.partial(run.tracker.backward_wait_for, layer_group_id)
+
+    def saved(ctx: RoundPipeRunContext) -> State:
+        return ctx.saved_inputs.pop(layers.start)
+
+    with _stage_on(device, run, layers, "backward") as stage:
+        for ctx, state in _backward_inputs(run, device, layers, wait, saved):
+            grads_out = ctx.grad_states
+            x = state[0]
+            recompute = functools.partial(_recompute_layer, run, device, ctx)
+            if run.config.recompute_grain == "stage":
+                with torch.enable_grad():
+                    _, h, _ = _run_chain(layers, stage.layers, state, recompute)
+                _backward(h, grads_out)
+            else:
+                boundary: list[State] = []
+                with torch.no_grad():
+                    _run_chain(layers, stage.layers, state, recompute, boundary)
+                g = grads_out
+                for k in reversed(range(len(layers))):
+                    bh, bs, ba = boundary[k]
+                    if k > 0:
+                        bh = [t.detach().requires_grad_(True) if _is_float(t) else t for t in bh]
                     with torch.enable_grad():
-                        for li, layer in zip(layers, stage.layers):
-                            out = _recompute_layer(run, device, ctx, li, layer, h, hs, ha)
-                            h, hs = pytree.tree_flatten(out)
-                            ha = False
-                    _backward(h, grads_out)
-                else:
-                    boundary: list[State] = []
-                    h, hs, ha = x, spec, is_args
-                    with torch.no_grad():
-                        for li, layer in zip(layers, stage.layers):
-                            boundary.append((h, hs, ha))
-                            out = _recompute_layer(run, device, ctx, li, layer, h, hs, ha)
-                            h, hs = pytree.tree_flatten(out)
-                            ha = False
-                    g = grads_out
-                    for k in reversed(range(len(layers))):
-                        bh, bs, ba = boundary[k]
-                        if k > 0:
-                            bh = [t.detach().requires_grad_(True) if _is_float(t) else t for t in bh]
-                        with torch.enable_grad():
-                            out = _recompute_layer(run, device, ctx, layers[k], stage.layers[k], bh, bs, ba)
-                        _backward(pytree.tree_leaves(out), g)
-                        g = _input_grads(bh)
-                    x = boundary[0][0]
-                ctx.grad_states = async_d2h(device, [], _input_grads(x))
-                run.tracker.backward_notify(layer_group_id)
-        download_layer(stage, device, with_buffer=False, with_grad=True)
-    finally:
-        stage.free()
+                        out = recompute(layers[k], stage.layers[k], bh, bs, ba)
+                    _backward(pytree.tree_leaves(out), g)
+                    g = _input_grads(bh)
+                x = boundary[0][0]
+            ctx.grad_states = async_d2h(device, _input_grads(x))
+            run.tracker.backward_notify(layer_group_id)
+
+
+def _fused_layer(
+    run: RoundPipeRun,
+    device: DeviceManager,
+    m: int,
+    li: int,
+    layer: torch.nn.Module,
+    x: list[Any],
+    spec: Any,
+    is_args: bool,
+) -> Any:
+    """Forward one layer of the fused stage (autograd records it: no recompute)."""
+    with annotate(f"fused layer {li} mb {m}"), run.rng(device, li, m):
+        return call_layer(layer, x, spec, is_args)
 
 
 def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
     """Fused last stage: forward, loss and backward per microbatch, no recompute."""
     fwd_gid = len(run.plan.fwd_plan) - 1
     layers = run.plan.bwd_plan[0]
-    attrs = run.layer_attrs(layers)
-    for attr in attrs:
-        attr.forward_backward_fence(run.state)
-    stage = _upload(device, run, layers, True, "fused")
     loss_fn = run.loss_fn
     assert loss_fn is not None
-    try:
-        with run.timer.time_bwd(layers, device.compute_stream):
-            for m in range(run.num_microbatch):
-                run.tracker.forward_wait_for(fwd_gid, m)
-                if m == 0:
-                    _release_copy_back(attrs)
-                ctx = run.contexts[m]
-                state = run.states[m]
-                x = _prepare_inputs(run, device, layers, m, state)
-                _, spec, is_args = state
-                h, hs, ha = x, spec, is_args
-                with torch.enable_grad():
-                    for li, layer in zip(layers, stage.layers):
-                        with annotate(f"fused layer {li} mb {m}"), run.rng(device, li, m):
-                            out = call_layer(layer, h, hs, ha)
-                        h, hs = pytree.tree_flatten(out)
-                        ha = False
-                    label = run.batch.label_list[m]
-                    if label is not None:
-                        label = pytree.tree_unflatten(async_h2d(device, [], pytree.tree_leaves(label)),
-                                                      pytree.tree_structure(label))
-                    loss = loss_fn(out, label)
-                losses = [loss] if isinstance(loss, torch.Tensor) else list(loss)
-                if not all(isinstance(v, torch.Tensor) for v in losses):
-                    raise TypeError("loss_fn must return a tensor or a sequence of tensors")
-                torch.autograd.backward([v for v in losses if v.requires_grad])
-                run.batch.loss_list[m] = [v.detach().to("cpu") for v in losses] \
-                    if not isinstance(loss, torch.Tensor) else loss.detach().to("cpu")
-                if run.return_outputs:
-                    ctx.outputs = (async_d2h(device, [], [t.detach() if isinstance(t, torch.Tensor) else t for t in h]),
-                                   hs, False)
-                ctx.grad_states = async_d2h(device, [], _input_grads(x))
-                run.tracker.forward_notify(fwd_gid)
-                run.tracker.backward_notify(0)
-        download_layer(stage, device, with_buffer=True, with_grad=True)
-    finally:
-        stage.free()
+    wait = functools.partial(run.tracker.forward_wait_for, fwd_gid)
+
+    def current(ctx: RoundPipeRunContext) -> State:
+        return run.states[ctx.microbatch_id]
+
+    with _stage_on(device, run, layers, "fused") as stage:
+        for ctx, state in _backward_inputs(run, device, layers, wait, current):
+            m = ctx.microbatch_id
+            x = state[0]
+            fused = functools.partial(_fused_layer, run, device, m)
+            with torch.enable_grad():
+                out, h, hs = _run_chain(layers, stage.layers, state, fused)
+                label = run.batch.label_list[m]
+                if label is not None:
+                    label = pytree.tree_unflatten(
+                        async_h2d(device, pytree.tree_leaves(label)),
+                        pytree.tree_structure(label),
+                    )
+                loss = loss_fn(out, label)
+            losses = [loss] if isinstance(loss, torch.Tensor) else list(loss)
+            if not all(isinstance(v, torch.Tensor) for v in losses):
+                raise TypeError("loss_fn must return a tensor or a sequence of tensors")
+            torch.autograd.backward([v for v in losses if v.requires_grad])
+            run.batch.loss_list[m] = (
+                [v.detach().to("cpu") for v in losses]
+                if not isinstance(loss, torch.Tensor)
+                else loss.detach().to("cpu")
+            )
+            if run.return_outputs:
+                ctx.outputs = (
+                    async_d2h(
+                        device, [t.detach() if isinstance(t, torch.Tensor) else t for t in h]
+                    ),
+                    hs,
+                    False,
+                )
+            ctx.grad_states = async_d2h(device, _input_grads(x))
+            run.tracker.forward_notify(fwd_gid)
+            run.tracker.backward_notify(0)
 
 
 class RoundPipeBatchedBackward(torch.autograd.Function):
@@ -409,8 +515,10 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> tuple:
         run: RoundPipeRun | None = ctx.run
         if run is None:
-            raise RuntimeError("RoundPipe does not support backward through the same forward twice; "
-                               "call forward again (retain_graph is not supported)")
+            raise RuntimeError(
+                "RoundPipe does not support backward through the same forward twice; "
+                "call forward again (retain_graph is not supported)"
+            )
         ctx.run = None
         for m, (leaves, _, _) in enumerate(run.states):
             run.contexts[m].grad_states = [None] * len(leaves)

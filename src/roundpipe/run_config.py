@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
-if TYPE_CHECKING:
-    from .scheduler import ModelExecutePlan
+from .device import get_num_devices
+from .scheduler import ModelExecutePlan
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 
 _FIELDS = (
-    "requires_grad", "output_device", "preserve_rng_state", "recompute_grain",
-    "num_microbatch", "split_input", "split_label", "merge_output", "execute_plan",
+    "requires_grad",
+    "output_device",
+    "preserve_rng_state",
+    "recompute_grain",
+    "num_microbatch",
+    "split_input",
+    "split_label",
+    "merge_output",
+    "execute_plan",
 )
 
 
@@ -58,13 +65,18 @@ class RoundPipeRunConfig:
         merge_output: bool | Callable[[list[Any]], Any] | None = None,
         execute_plan: ModelExecutePlan | None = None,
     ) -> None:
-        for name, value in (("requires_grad", requires_grad), ("preserve_rng_state", preserve_rng_state)):
+        for name, value in (
+            ("requires_grad", requires_grad),
+            ("preserve_rng_state", preserve_rng_state),
+        ):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be bool or None, got {type(value).__name__}")
         if recompute_grain is not None and recompute_grain not in ("stage", "layer"):
             raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}")
         if num_microbatch is not None and (
-            not isinstance(num_microbatch, int) or isinstance(num_microbatch, bool) or num_microbatch < 1
+            not isinstance(num_microbatch, int)
+            or isinstance(num_microbatch, bool)
+            or num_microbatch < 1
         ):
             raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
         if output_device is not None:
@@ -72,13 +84,17 @@ class RoundPipeRunConfig:
                 output_device = torch.device(output_device)
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"output_device is not a device: {output_device!r}") from e
-        if merge_output is not None and not isinstance(merge_output, bool) and not callable(merge_output):
+        if (
+            merge_output is not None
+            and not isinstance(merge_output, bool)
+            and not callable(merge_output)
+        ):
             raise TypeError("merge_output must be None, a bool or a callable")
         if execute_plan is not None:
-            from .scheduler import ModelExecutePlan
-
             if not isinstance(execute_plan, ModelExecutePlan):
-                raise TypeError(f"execute_plan must be a ModelExecutePlan, got {type(execute_plan).__name__}")
+                raise TypeError(
+                    f"execute_plan must be a ModelExecutePlan, got {type(execute_plan).__name__}"
+                )
         self.requires_grad = requires_grad
         self.output_device = output_device
         self.preserve_rng_state = preserve_rng_state
@@ -90,7 +106,9 @@ class RoundPipeRunConfig:
         self.execute_plan = execute_plan
 
     def __repr__(self) -> str:
-        set_fields = ", ".join(f"{k}={getattr(self, k)!r}" for k in _FIELDS if getattr(self, k) is not None)
+        set_fields = ", ".join(
+            f"{k}={getattr(self, k)!r}" for k in _FIELDS if getattr(self, k) is not None
+        )
         return f"RoundPipeRunConfig({set_fields})"
 
 
@@ -98,7 +116,8 @@ class FullRoundPipeRunConfig:
     """A per-call config merged over the model config, with every default resolved.
 
     Example:
-        >>> full = FullRoundPipeRunConfig(RoundPipeRunConfig(num_microbatch=2), RoundPipeRunConfig())
+        >>> cfg = RoundPipeRunConfig(num_microbatch=2)
+        >>> full = FullRoundPipeRunConfig(cfg, RoundPipeRunConfig())
         >>> full.num_microbatch, full.recompute_grain
         (2, 'stage')
     """
@@ -109,8 +128,13 @@ class FullRoundPipeRunConfig:
     recompute_grain: Literal["stage", "layer"]
     num_microbatch: int
 
-    def __init__(self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig) -> None:
-        for name, cfg in (("function_run_config", function_run_config), ("model_run_config", model_run_config)):
+    def __init__(
+        self, function_run_config: RoundPipeRunConfig, model_run_config: RoundPipeRunConfig
+    ) -> None:
+        for name, cfg in (
+            ("function_run_config", function_run_config),
+            ("model_run_config", model_run_config),
+        ):
             if not isinstance(cfg, RoundPipeRunConfig):
                 raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
         for k in _FIELDS:
@@ -125,8 +149,6 @@ class FullRoundPipeRunConfig:
         if self.recompute_grain is None:
             self.recompute_grain = "stage"
         if self.num_microbatch is None:
-            from .device import get_num_devices
-
             self.num_microbatch = get_num_devices() + 1
         if self.merge_output is None:
             self.merge_output = True

@@ -4,14 +4,35 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
+from .device import get_min_gpu_memory, get_num_devices
 from .threads import RoundPipeAborted, RunState, wait_until
 
 if TYPE_CHECKING:
-    from .roundpipe import RoundPipe
+    from torch import nn
 
-__all__ = ["ModelExecutePlan", "ModelTracker", "partition_layers"]
+    from .attribute import LayerAttribute
+    from .timer import ModelTimer
+
+__all__ = ["ModelExecutePlan", "ModelTracker", "PipelineModel", "partition_layers"]
+
+
+class PipelineModel(Protocol):
+    """What the planner and the runtime read from a RoundPipe model.
+
+    :class:`roundpipe.RoundPipe` provides it; naming the protocol here keeps the scheduler
+    and the runtime below the model wrapper in the import layers.
+    """
+
+    name: str
+    num_layers: int
+    layers: list[nn.Module]
+    layer_attrs: list[LayerAttribute]
+    layer_bytes: list[int]
+    layer_grad_bytes: list[int]
+    model_timer: ModelTimer
+
 
 RunType = Literal["infer", "train", "fused"]
 _RUN_TYPES = ("infer", "train", "fused")
@@ -22,7 +43,9 @@ def _check_run_type(run_type: str) -> None:
         raise ValueError(f"run_type must be one of {_RUN_TYPES}, got {run_type!r}")
 
 
-def _greedy(times: Sequence[float], sizes: Sequence[float], time_cap: float, mem_cap: float) -> list[range]:
+def _greedy(
+    times: Sequence[float], sizes: Sequence[float], time_cap: float, mem_cap: float
+) -> list[range]:
     """Pack consecutive layers into stages bounded by ``time_cap`` and ``mem_cap``."""
     stages: list[range] = []
     start, t, m = 0, 0.0, 0.0
@@ -37,7 +60,11 @@ def _greedy(times: Sequence[float], sizes: Sequence[float], time_cap: float, mem
 
 
 def partition_layers(
-    times: Sequence[float], sizes: Sequence[float], min_stages: int, upper_threshold: float, mem_cap: float
+    times: Sequence[float],
+    sizes: Sequence[float],
+    min_stages: int,
+    upper_threshold: float,
+    mem_cap: float,
 ) -> list[range]:
     """Split layers ``0..n-1`` into contiguous stages.
 
@@ -55,7 +82,8 @@ def partition_layers(
     for i, s in enumerate(sizes):
         if s > 2 * mem_cap:
             raise ValueError(
-                f"layer {i} needs {s:.0f} bytes, more than model_memory_limit allows ({2 * mem_cap:.0f}); "
+                f"layer {i} needs {s:.0f} bytes, more than model_memory_limit allows "
+                f"({2 * mem_cap:.0f}); "
                 "raise model_memory_limit or split the layer"
             )
     slowest = max(times)
@@ -92,7 +120,9 @@ class ModelExecutePlan:
         self.bwd_plan: list[range] = []
 
     def __repr__(self) -> str:
-        fmt = lambda plan: "[" + ", ".join(f"{r.start}-{r.stop - 1}" for r in plan) + "]"  # noqa: E731
+        def fmt(plan: list[range]) -> str:
+            return "[" + ", ".join(f"{r.start}-{r.stop - 1}" for r in plan) + "]"
+
         return f"ModelExecutePlan(fwd={fmt(self.fwd_plan)}, bwd={fmt(self.bwd_plan)})"
 
     @classmethod
@@ -100,7 +130,7 @@ class ModelExecutePlan:
         cls,
         run_type: RunType,
         /,
-        *models: RoundPipe,
+        *models: PipelineModel,
         min_stages: int | None = None,
         upper_threshold: float = 1.1,
         model_memory_limit: float | None = None,
@@ -109,21 +139,22 @@ class ModelExecutePlan:
 
         Args:
             run_type: ``"infer"``, ``"train"`` (forward then separate backward) or ``"fused"``.
-            models: RoundPipe models with the same number of layers; their estimates add up.
+            models: RoundPipe models (:class:`PipelineModel`) with the same number of layers;
+                their estimates add up.
             min_stages: at least this many stages when possible. Default: number of devices.
             upper_threshold: a stage takes at most this multiple of the slowest layer's time.
             model_memory_limit: GB per device for parameters (and grads when training);
                 each stage gets half of it so the next stage can be prefetched.
                 Default: 60% of the smallest device memory.
         """
-        from .device import get_min_gpu_memory, get_num_devices
-
         _check_run_type(run_type)
         if not models:
             raise ValueError("ModelExecutePlan.auto needs at least one model")
         n = models[0].num_layers
         if any(m.num_layers != n for m in models):
-            raise ValueError("all models passed to ModelExecutePlan.auto must have the same number of layers")
+            raise ValueError(
+                "all models passed to ModelExecutePlan.auto must have the same number of layers"
+            )
         if not upper_threshold >= 1.0:
             raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
         min_stages = get_num_devices() if min_stages is None else min_stages
@@ -152,12 +183,22 @@ class ModelExecutePlan:
             rev = partition_layers(bwd[::-1], train_mem[::-1], min_stages, upper_threshold, mem_cap)
             plan.bwd_plan = [range(n - r.stop, n - r.start) for r in rev]
             if run_type == "train":
-                plan.fwd_plan = partition_layers(fwd, infer_mem, min_stages, upper_threshold, mem_cap)
+                plan.fwd_plan = partition_layers(
+                    fwd, infer_mem, min_stages, upper_threshold, mem_cap
+                )
             else:
                 last = plan.bwd_plan[0]
-                head = (partition_layers(fwd[: last.start], infer_mem[: last.start],
-                                         max(min_stages - 1, 1), upper_threshold, mem_cap)
-                        if last.start > 0 else [])
+                head = (
+                    partition_layers(
+                        fwd[: last.start],
+                        infer_mem[: last.start],
+                        max(min_stages - 1, 1),
+                        upper_threshold,
+                        mem_cap,
+                    )
+                    if last.start > 0
+                    else []
+                )
                 plan.fwd_plan = head + [last]
         plan.check_valid(n, run_type)
         return plan
@@ -171,24 +212,32 @@ class ModelExecutePlan:
                 raise ValueError(f"{name} must be a non-empty list of ranges, got {plan!r}")
             for r in plan:
                 if not isinstance(r, range) or r.step != 1 or len(r) == 0:
-                    raise ValueError(f"{name} entries must be non-empty ranges with step 1, got {r!r}")
+                    raise ValueError(
+                        f"{name} entries must be non-empty ranges with step 1, got {r!r}"
+                    )
             ordered = plan[::-1] if reverse else plan
             pos = 0
             for r in ordered:
                 if r.start != pos:
-                    raise ValueError(f"{name} does not cover layers contiguously: expected a stage "
-                                     f"starting at layer {pos}, got {r!r}")
+                    raise ValueError(
+                        f"{name} does not cover layers contiguously: expected a stage "
+                        f"starting at layer {pos}, got {r!r}"
+                    )
                 pos = r.stop
             if pos != num_layers:
-                raise ValueError(f"{name} covers layers 0..{pos - 1} but the model has {num_layers}")
+                raise ValueError(
+                    f"{name} covers layers 0..{pos - 1} but the model has {num_layers}"
+                )
 
         check(self.fwd_plan, "fwd_plan", reverse=False)
         if run_type == "infer":
             return
         check(self.bwd_plan, "bwd_plan", reverse=True)
         if run_type == "fused" and self.fwd_plan[-1] != self.bwd_plan[0]:
-            raise ValueError("for fused forward-backward the last fwd_plan stage must equal the "
-                             f"first bwd_plan stage, got {self.fwd_plan[-1]!r} and {self.bwd_plan[0]!r}")
+            raise ValueError(
+                "for fused forward-backward the last fwd_plan stage must equal the "
+                f"first bwd_plan stage, got {self.fwd_plan[-1]!r} and {self.bwd_plan[0]!r}"
+            )
 
 
 class ModelTracker:
@@ -224,30 +273,35 @@ class ModelTracker:
         """One more microbatch finished backward group ``layer_group_id``."""
         self._notify(self.bwd_done, layer_group_id)
 
+    def _wait_for(self, kind: str, counts: list[int], gid: int, microbatch_id: int) -> None:
+        if self.state.failed():
+            raise RoundPipeAborted(kind)
+        if gid > 0:
+            wait_until(
+                lambda: counts[gid - 1] > microbatch_id,
+                f"{kind} group {gid - 1} microbatch {microbatch_id}",
+                self.cond,
+                self.state,
+            )
+
     def forward_wait_for(self, layer_group_id: int, microbatch_id: int) -> None:
         """Block until forward group ``layer_group_id - 1`` finished ``microbatch_id``."""
-        if self.state.failed():
-            raise RoundPipeAborted("forward")
-        if layer_group_id > 0:
-            g = layer_group_id - 1
-            wait_until(lambda: self.fwd_done[g] > microbatch_id,
-                       f"forward group {g} microbatch {microbatch_id}", self.cond, self.state)
+        self._wait_for("forward", self.fwd_done, layer_group_id, microbatch_id)
 
     def backward_wait_for(self, layer_group_id: int, microbatch_id: int) -> None:
         """Block until backward group ``layer_group_id - 1`` finished ``microbatch_id``."""
-        if self.state.failed():
-            raise RoundPipeAborted("backward")
-        if layer_group_id > 0:
-            g = layer_group_id - 1
-            wait_until(lambda: self.bwd_done[g] > microbatch_id,
-                       f"backward group {g} microbatch {microbatch_id}", self.cond, self.state)
+        self._wait_for("backward", self.bwd_done, layer_group_id, microbatch_id)
 
     def forward_wait_complete(self, num_microbatch: int) -> None:
         """Block until the last forward group finished ``num_microbatch`` microbatches."""
         g = len(self.fwd_plan) - 1
-        wait_until(lambda: self.fwd_done[g] >= num_microbatch, "forward completion", self.cond, self.state)
+        wait_until(
+            lambda: self.fwd_done[g] >= num_microbatch, "forward completion", self.cond, self.state
+        )
 
     def backward_wait_complete(self, num_microbatch: int) -> None:
         """Block until the last backward group finished ``num_microbatch`` microbatches."""
         g = len(self.bwd_plan) - 1
-        wait_until(lambda: self.bwd_done[g] >= num_microbatch, "backward completion", self.cond, self.state)
+        wait_until(
+            lambda: self.bwd_done[g] >= num_microbatch, "backward completion", self.cond, self.state
+        )

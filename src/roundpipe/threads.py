@@ -185,13 +185,22 @@ class RunState:
         """
         deadline = 2 * get_wait_timeout()  # workers' own, more precise timeouts come first
         try:
-            wait_until(lambda: self.pending <= 0 or self.failed(), f"run {self.name!r}",
-                       cond=self.cond, timeout=deadline)
+            wait_until(
+                lambda: self.pending <= 0 or self.failed(),
+                f"run {self.name!r}",
+                cond=self.cond,
+                timeout=deadline,
+            )
             if self.failed():
                 # let the other workers reach an abort point so devices are idle again; a
                 # worker stuck inside user code must not hide the original error
                 try:
-                    wait_until(lambda: self.pending <= 0, "workers to stop", cond=self.cond, timeout=deadline)
+                    wait_until(
+                        lambda: self.pending <= 0,
+                        "workers to stop",
+                        cond=self.cond,
+                        timeout=deadline,
+                    )
                 except RoundPipeTimeoutError:
                     pass
         except KeyboardInterrupt:
@@ -214,7 +223,11 @@ class RunState:
             return
         if isinstance(err, KeyboardInterruptRoundPipeThreads):
             raise err
-        if hasattr(err, "add_note") and self.error_where and not getattr(err, "_roundpipe_noted", False):
+        if (
+            hasattr(err, "add_note")
+            and self.error_where
+            and not getattr(err, "_roundpipe_noted", False)
+        ):
             err.add_note(f"(raised in RoundPipe {self.error_where})")
             err._roundpipe_noted = True  # type: ignore[attr-defined]
         raise err.with_traceback(trim_traceback(err.__traceback__))

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any, Literal
 
+import torch
+
 __all__ = ["IterTimer", "LayerTimingContext", "ModelTimer"]
 
 
@@ -52,25 +54,29 @@ class IterTimer:
 
     def _events(self) -> tuple[Any, Any]:
         if self.use_cuda_events:
-            import torch
-
             return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         return None, None
 
-    def time_fwd(self, action: Literal["fwd", "re"], layer_idx: int, stream: Any) -> LayerTimingContext:
+    def time_fwd(
+        self, action: Literal["fwd", "re"], layer_idx: int, stream: Any
+    ) -> LayerTimingContext:
         """Time one layer's forward (``"re"``: recompute, not recorded separately)."""
+
         def sink(v: Any) -> None:
             if action == "fwd":
                 with self.bwd_dict_lock:
                     self.fwd_events.setdefault(layer_idx, []).append(v)
+
         s, e = self._events()
         return LayerTimingContext(s, e, stream, sink)
 
     def time_bwd(self, layer_ids: range, stream: Any) -> LayerTimingContext:
         """Time recompute + backward of a layer group."""
+
         def sink(v: Any) -> None:
             with self.bwd_dict_lock:
                 self.bwd_events.setdefault((layer_ids.start, layer_ids.stop), []).append(v)
+
         s, e = self._events()
         return LayerTimingContext(s, e, stream, sink)
 
@@ -140,8 +146,12 @@ class ModelTimer:
             for (a, b), vals in it.bwd_events.items():
                 total = sum(_ms(v) for v in vals)
                 # split a group's time over its layers proportionally to their forward time
-                weights = [max(self.estimate["fwd"][i], 1e-9) if self.stage["fwd"] == 2
-                           else self.size_estimate[i] for i in range(a, b)]
+                weights = [
+                    max(self.estimate["fwd"][i], 1e-9)
+                    if self.stage["fwd"] == 2
+                    else self.size_estimate[i]
+                    for i in range(a, b)
+                ]
                 wsum = sum(weights)
                 for i, w in zip(range(a, b), weights):
                     bwd[i] = total * w / wsum
@@ -149,7 +159,9 @@ class ModelTimer:
             if self.VERBOSE:
                 print(f"[roundpipe timer] fwd={self.estimate['fwd']} bwd={self.estimate['bwd']}")
 
-    def get_estimate(self, run_type: Literal["infer", "train", "fused"]) -> tuple[str, list[float], list[float]]:
+    def get_estimate(
+        self, run_type: Literal["infer", "train", "fused"]
+    ) -> tuple[str, list[float], list[float]]:
         """Return ``(source, fwd, bwd)``: source is ``"time"`` (ms) or ``"memory"`` (bytes)."""
         self.update_times()
         if self.stage["fwd"] == 2 and (run_type == "infer" or self.stage["bwd"] == 2):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attribute import ParamAttribute
 from .device import DeviceManager
 
 __all__ = [
@@ -36,16 +37,22 @@ chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024 * 1024
 
 
-def async_h2d(device: DeviceManager, host_ready_event: Iterable[Any], host_tensors: Iterable[Any],
-              keep_requires_grad: bool = False) -> list[Any]:
+def async_h2d(
+    device: DeviceManager, host_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> list[Any]:
     """Copy tensors to ``device`` on its upload stream; non-tensors pass through.
 
     Copies are real even on CPU virtual devices, so a layer mutating its input in place
-    cannot corrupt the host copy kept for recompute.
+    cannot corrupt the host copy kept for recompute. The host data must be ready: every
+    host buffer RoundPipe hands over was completed by :func:`async_d2h`.
+
+    Example:
+        >>> from roundpipe.device import get_devices
+        >>> x = torch.ones(2)
+        >>> y, tag = async_h2d(get_devices()[0], [x, "tag"])
+        >>> y is x, bool((y == x).all()), tag
+        (False, True, 'tag')
     """
-    for ev in host_ready_event:
-        if ev is not None:
-            ev.synchronize()
     out = []
     with device.stream(device.upstream):
         for t in host_tensors:
@@ -58,15 +65,22 @@ def async_h2d(device: DeviceManager, host_ready_event: Iterable[Any], host_tenso
                 out.append(d)
             else:
                 out.append(t)
+    device.mark_upload()
     if device.is_cuda:
-        device.mark_upload()
         device.compute_stream.wait_stream(device.upstream)
     return out
 
 
-def async_d2h(device: DeviceManager, transfer_finish_event: Iterable[Any], device_tensors: Iterable[Any],
-              keep_requires_grad: bool = False) -> list[Any]:
-    """Copy tensors to host memory (pinned on CUDA) and record ``transfer_finish_event``."""
+def async_d2h(
+    device: DeviceManager, device_tensors: Iterable[Any], keep_requires_grad: bool = False
+) -> list[Any]:
+    """Copy tensors to host memory (pinned on CUDA); the copies are complete on return.
+
+    Example:
+        >>> from roundpipe.device import get_devices
+        >>> async_d2h(get_devices()[0], [torch.ones(2), 3])
+        [tensor([1., 1.]), 3]
+    """
     out = []
     if not device.is_cuda:
         for t in device_tensors:
@@ -85,23 +99,25 @@ def async_d2h(device: DeviceManager, transfer_finish_event: Iterable[Any], devic
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t.detach(), non_blocking=True)
                 t.record_stream(device.downstream)
-                out.append(host.requires_grad_(True) if keep_requires_grad and t.requires_grad else host)
+                keep = keep_requires_grad and t.requires_grad
+                out.append(host.requires_grad_(True) if keep else host)
             else:
                 out.append(t)
-        for ev in transfer_finish_event:
-            ev.record(device.downstream)
     # host buffers are read next by other devices' streams / the CPU, which do not order
     # against this download stream: finish the copies before handing them out
     device.downstream.synchronize()
     return out
 
 
-def chunk_layer_params(tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], n_chunks: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+def chunk_layer_params(
+    tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], n_chunks: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     """Greedy number partitioning of copy work into ``n_chunks`` balanced chunks.
 
     Example:
         >>> a, b, c = torch.empty(4), torch.empty(3), torch.empty(2)
-        >>> [sum(s.numel() for s, _ in ch) for ch in chunk_layer_params([(a, a), (b, b), (c, c)], 2)]
+        >>> chunks = chunk_layer_params([(a, a), (b, b), (c, c)], 2)
+        >>> [sum(s.numel() for s, _ in ch) for ch in chunks]
         [4, 5]
     """
     if n_chunks < 1:
@@ -115,9 +131,20 @@ def chunk_layer_params(tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], n_c
     return chunks
 
 
-def create_upload_pair(tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor,
-                       device: torch.device) -> torch.Tensor:
-    """Allocate the device copy of ``src`` and register the (src, dst) copy work."""
+def create_upload_pair(
+    tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    """Allocate the device copy of ``src`` and register the (src, dst) copy work.
+
+    With :func:`chunk_layer_params` this stages a layer's copies in balanced chunks (the
+    internal API keeps it for that; :func:`upload_layers` copies slot by slot today).
+
+    Example:
+        >>> pairs = []
+        >>> dst = create_upload_pair(pairs, torch.ones(3), torch.device("cpu"))
+        >>> dst.shape, len(pairs)
+        (torch.Size([3]), 1)
+    """
     dst = torch.empty(src.shape, dtype=src.dtype, device=device)
     tensor_pair.append((src.detach(), dst))
     return dst
@@ -129,22 +156,24 @@ class _Skeleton:
     def __init__(self, layer: nn.Module) -> None:
         memo: dict[int, Any] = {}
         for p in layer.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                       requires_grad=p.requires_grad)
+            memo[id(p)] = nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad
+            )
         for b in layer.buffers():
             memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="meta")
         self.module: nn.Module = copy.deepcopy(layer, memo)
         self.slots: list[tuple[nn.Module, str, bool, torch.Tensor, torch.Tensor]] = []
         self.module_pairs = list(zip(layer.modules(), self.module.modules()))
-        for (_, host_m), (_, sk_m) in zip(layer.named_modules(remove_duplicate=False),
-                                          self.module.named_modules(remove_duplicate=False)):
+        for (_, host_m), (_, sk_m) in zip(
+            layer.named_modules(remove_duplicate=False),
+            self.module.named_modules(remove_duplicate=False),
+        ):
             for name, t in host_m._parameters.items():
                 if t is not None:
                     self.slots.append((sk_m, name, True, t, sk_m._parameters[name]))
             for name, t in host_m._buffers.items():
                 if t is not None:
                     self.slots.append((sk_m, name, False, t, sk_m._buffers[name]))
-
 
     def refresh(self) -> None:
         """Copy the host layer's non-tensor state (``training``, flags, hooks, class) over.
@@ -181,8 +210,14 @@ def _skeleton(layer: nn.Module, device: DeviceManager) -> _Skeleton:
 class StageOnDevice:
     """Device copies of one stage's layers, with the bytes they hold accounted on the device."""
 
-    def __init__(self, device: DeviceManager, layers: list[nn.Module], skeletons: list[_Skeleton],
-                 host_to_dev: dict[int, torch.Tensor], nbytes: int) -> None:
+    def __init__(
+        self,
+        device: DeviceManager,
+        layers: list[nn.Module],
+        skeletons: list[_Skeleton],
+        host_to_dev: dict[int, torch.Tensor],
+        nbytes: int,
+    ) -> None:
         self.device = device
         self.layers = layers
         self.skeletons = skeletons
@@ -200,8 +235,13 @@ class StageOnDevice:
             self.nbytes = 0
 
 
-def upload_layers(layers: list[nn.Module], layer_attrs: list[Any], device: DeviceManager,
-                  with_grad: bool, what: str = "stage") -> StageOnDevice:
+def upload_layers(
+    layers: list[nn.Module],
+    layer_attrs: list[Any],
+    device: DeviceManager,
+    with_grad: bool,
+    what: str = "stage",
+) -> StageOnDevice:
     """Copy ``layers`` to ``device``; parameters shared between them stay shared.
 
     With ``with_grad``, room for the gradients of trainable parameters is accounted too.
@@ -216,8 +256,11 @@ def upload_layers(layers: list[nn.Module], layer_attrs: list[Any], device: Devic
             unique[id(host)] = host
     nbytes = sum(t.numel() * t.element_size() for t in unique.values())
     if with_grad:
-        nbytes += sum(t.numel() * t.element_size() for t in unique.values()
-                      if isinstance(t, nn.Parameter) and t.requires_grad)
+        nbytes += sum(
+            t.numel() * t.element_size()
+            for t in unique.values()
+            if isinstance(t, nn.Parameter) and t.requires_grad
+        )
     device.memory.allocate(nbytes, what)
     host_to_dev: dict[int, torch.Tensor] = {}
     try:
@@ -229,10 +272,16 @@ def upload_layers(layers: list[nn.Module], layer_attrs: list[Any], device: Devic
                     for mod, name, is_param, host, _ in sk.slots:
                         dev = host_to_dev.get(id(host))
                         if dev is None:
-                            data = host.detach().to(device.device, non_blocking=device.is_cuda, copy=True)
+                            data = host.detach().to(
+                                device.device, non_blocking=device.is_cuda, copy=True
+                            )
                             if device.is_cuda:
                                 data.record_stream(device.compute_stream)
-                            dev = nn.Parameter(data, requires_grad=host.requires_grad) if is_param else data
+                            dev = (
+                                nn.Parameter(data, requires_grad=host.requires_grad)
+                                if is_param
+                                else data
+                            )
                             host_to_dev[id(host)] = dev
                         (mod._parameters if is_param else mod._buffers)[name] = dev
             if device.is_cuda:  # the copy-back must not overwrite host memory mid-DMA
@@ -248,10 +297,10 @@ def upload_layers(layers: list[nn.Module], layer_attrs: list[Any], device: Devic
     return StageOnDevice(device, [sk.module for sk in skeletons], skeletons, host_to_dev, nbytes)
 
 
-def download_layer(stage: StageOnDevice, device: DeviceManager, with_buffer: bool, with_grad: bool) -> None:
+def download_layer(
+    stage: StageOnDevice, device: DeviceManager, with_buffer: bool, with_grad: bool
+) -> None:
     """Copy buffers (e.g. running statistics) and accumulate gradients back to the host."""
-    from .attribute import ParamAttribute
-
     seen: set[int] = set()
     for sk in stage.skeletons:
         for _, _, is_param, host, _ in sk.slots:
@@ -277,7 +326,13 @@ def download_layer(stage: StageOnDevice, device: DeviceManager, with_buffer: boo
 
 
 class PinnedUpload(torch.autograd.Function):
-    """Differentiable host -> device copy through pinned memory."""
+    """Differentiable host -> device copy through pinned memory (pinned only for CUDA).
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> PinnedUpload.apply(x, torch.device("cpu")).sum().backward(); x.grad
+        tensor([1., 1.])
+    """
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, d: torch.device) -> torch.Tensor:
@@ -291,7 +346,13 @@ class PinnedUpload(torch.autograd.Function):
 
 
 class RegisterBackwardEvent(torch.autograd.Function):
-    """Identity whose backward records ``event`` when the gradient passes through."""
+    """Identity whose backward records ``event`` when the gradient passes through.
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> RegisterBackwardEvent.apply(x, None).sum().backward(); x.grad
+        tensor([1., 1.])
+    """
 
     @staticmethod
     def forward(ctx: Any, input: torch.Tensor, event: Any) -> torch.Tensor:

@@ -16,8 +16,19 @@ __all__ = [
     "parse_bytes",
 ]
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
-          "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+}
 
 
 def get_call_location(depth: int) -> str:
@@ -85,7 +96,7 @@ def parse_bytes(value: int | float | str, name: str = "value") -> int:
         raise TypeError(f"{name} must be int or str, got {type(value).__name__}")
     text = value.strip().lower()
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(num):].strip()
+    unit = text[len(num) :].strip()
     if unit not in _UNITS or not num:
         raise ValueError(f"{name}: cannot parse byte count {value!r}")
     result = int(float(num) * _UNITS[unit])
@@ -106,7 +117,11 @@ def derive_seed(base_seed: int, layer_id: int, microbatch_id: int) -> int:
         True
     """
     # splitmix64-style mixing keeps nearby (layer, microbatch) pairs uncorrelated.
-    x = (base_seed * 0x9E3779B97F4A7C15 + layer_id * 0xBF58476D1CE4E5B9 + microbatch_id * 0x94D049BB133111EB)
+    x = (
+        base_seed * 0x9E3779B97F4A7C15
+        + layer_id * 0xBF58476D1CE4E5B9
+        + microbatch_id * 0x94D049BB133111EB
+    )
     x &= (1 << 64) - 1
     x ^= x >> 31
     x = (x * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from .device import get_num_devices
+from .models import find_preset, wrap_model
 from .roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
 from .run_config import RoundPipeRunConfig
 from .utils import get_call_location, get_model_size
@@ -100,8 +101,6 @@ def wrap_model_to_roundpipe(
         >>> rp.num_layers
         3
     """
-    from . import models
-
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if use_sequential_preset not in (None, True, False):
@@ -121,15 +120,16 @@ def wrap_model_to_roundpipe(
             model, name=name, model_run_config=model_run_config, layers=layers, **roundpipe_kwargs
         )
     if use_sequential_preset is not False:
-        if models.find_preset(model) is not None or use_sequential_preset:
-            return models.wrap_model(
+        if find_preset(model) is not None or use_sequential_preset:
+            return wrap_model(
                 model, name=name, model_run_config=model_run_config, **roundpipe_kwargs
             )
     if upper_threshold is None:
         upper_threshold = max(get_model_size(model) // (get_num_devices() + 1), 1)
     if lower_threshold < 0 or upper_threshold < lower_threshold:
         raise ValueError(
-            f"need 0 <= lower_threshold <= upper_threshold, got {lower_threshold}, {upper_threshold}"
+            "need 0 <= lower_threshold <= upper_threshold, got "
+            f"{lower_threshold}, {upper_threshold}"
         )
     wrapped = wrap_model_recursive(
         model,

@@ -8,8 +8,9 @@ Example:
     >>> model, optimizer = slapo.build(sch, optimizer=torch.optim.AdamW)
 """
 
-from dataclasses import dataclass, field  # noqa: F401  (re-exported by the reference API)
-from functools import partial  # noqa: F401
+import importlib
+from dataclasses import dataclass, field  # noqa: F401  (the reference API lists slapo.dataclass,
+from functools import partial  # noqa: F401  (slapo.field and slapo.partial: kept)
 
 from . import env, model_schedule, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
 from .build import build
@@ -29,7 +30,7 @@ from .primitives import Primitive, list_primitives, register_primitive
 from .random import checkpoint, get_cuda_rng_tracker, is_random_seed_set, set_random_seed
 from .schedule import PrimitiveRecord, Schedule, ScheduleMetadata, create_schedule, is_module_list
 from .sharding import CollectiveError, vocab_parallel_cross_entropy
-from .targets import get_dialect_cls, init_target_engine
+from .targets import get_dialect_cls, init_target_engine, train_step
 from .tie_weights import analyze_tie_weights
 from .tracing import TraceError, trace, trace_module
 from .tune import Database, Space, Symbol
@@ -85,6 +86,7 @@ __all__ = [
     "list_primitives",
     "register_primitive",
     "set_random_seed",
+    "train_step",
 ]
 
 # Checkpoint I/O pulls in safetensors and torch.distributed machinery that most schedules never
@@ -97,8 +99,6 @@ _LAZY = {
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value

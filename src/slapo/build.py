@@ -24,6 +24,10 @@ def build(
 ) -> tuple[Any, Any]:
     """Build the scheduled model for ``target``; returns ``(model, optimizer)``.
 
+    Every target honours one training-loop contract (:mod:`slapo.targets.contract`):
+    ``loss = slapo.train_step(model, batch)``, then ``optimizer.step()`` and
+    ``optimizer.zero_grad()``.
+
     Args:
         sch: the root schedule.
         target: ``None``/``"eager"`` for single-process training; other targets (``"ddp"``,
@@ -38,7 +42,12 @@ def build(
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
-        >>> model, optimizer = slapo.build(sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
+        >>> model, optimizer = slapo.build(
+        ...     sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}
+        ... )
+        >>> x, y = torch.randn(2, 4), torch.randn(2, 4)
+        >>> loss = slapo.train_step(model, (x, y), loss_fn=torch.nn.functional.mse_loss)
+        >>> optimizer.step(); optimizer.zero_grad()
     """
     if not isinstance(sch, Schedule):
         raise SlapoError(

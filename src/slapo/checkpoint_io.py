@@ -40,12 +40,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .exceptions import SlapoError
 from .logger import get_logger
+from .sharding.collectives import run_collective
 from .sharding.spec import ShardSpec, get_shard_spec
 
 __all__ = [
@@ -90,11 +94,9 @@ def _all_reduce_max(values: list[int], what: str) -> list[int]:
     """Element-wise max over every rank (bounded by the process group's timeout)."""
     if not _distributed():
         return values
-    from .sharding.collectives import _run
-
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     t = torch.tensor(values, dtype=torch.int64, device=device)
-    _run(f"all_reduce ({what})", None, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+    run_collective(f"all_reduce ({what})", None, lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
     return t.tolist()
 
 
@@ -250,8 +252,7 @@ def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _save_file(tensors: dict[str, torch.Tensor], file: Path) -> None:
-    import safetensors.torch  # looked up at call time: tests kill a rank inside it
-
+    # safetensors.torch.save_file is looked up at call time: a test kills a rank inside it
     safetensors.torch.save_file(_unshared(tensors), str(file), metadata=_ST_META)
     _fsync(file)
 
@@ -358,8 +359,6 @@ class _Reader:
 
     def _open(self, name: Any) -> tuple[Any, set[str]]:
         if name not in self.files:
-            from safetensors import SafetensorError, safe_open
-
             if not isinstance(name, str) or Path(name).name != name or name.startswith("."):
                 raise CheckpointError(f"{self.root / MARKER} names a bad file {name!r}")
             file = self.root / name
@@ -382,7 +381,6 @@ class _Reader:
         return tuple(self._check(name, key).get_slice(key).get_shape())
 
     def get(self, name: str, key: str) -> torch.Tensor:
-        from safetensors import SafetensorError
 
         handle = self._check(name, key)
         try:
@@ -602,7 +600,6 @@ class _TreeEncoder:
         self.views: dict[tuple, dict[str, Any]] = {}
 
     def tensor(self, t: torch.Tensor, file: str, name: str) -> dict[str, Any]:
-        from torch.distributed.tensor import DTensor
 
         node: dict[str, Any] = {}
         if isinstance(t, DTensor):  # this rank's part; dtensor_like rebuilds it on load
@@ -727,7 +724,6 @@ def dtensor_like(value: Any, template: Any) -> Any:
     Example:
         >>> sd = {k: dtensor_like(v, live[k]) for k, v in load_tree(p)["model"].items()}
     """
-    from torch.distributed.tensor import DTensor
 
     if not isinstance(template, DTensor) or not isinstance(value, torch.Tensor):
         return value

@@ -150,7 +150,7 @@ def _default_init(model: nn.Module, touched: list[nn.Module]) -> None:
 
 
 def _outermost_hf_models(model: nn.Module) -> list[nn.Module]:
-    try:
+    try:  # deferred: transformers takes seconds to import and is optional
         from transformers import PreTrainedModel
     except ImportError:
         return []

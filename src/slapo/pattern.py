@@ -21,6 +21,7 @@ import torch
 from torch import fx, nn
 
 from .exceptions import SlapoError
+from .tracing import ModeDropout
 
 __all__ = [
     "Pattern",
@@ -150,8 +151,6 @@ def _op_name(node: fx.Node, owner: nn.Module | None) -> str | None:
         return str(node.target).rstrip("_")
     if node.op == "call_module" and owner is not None:
         mod = owner.get_submodule(str(node.target))
-        from .tracing import ModeDropout
-
         if isinstance(mod, ModeDropout):
             return "dropout"
         for cls, name in _ACTIVATION_MODULES.items():

@@ -20,6 +20,11 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as _torch_ckpt
 
+try:
+    import numpy as np
+except ImportError:  # numpy is optional: without it there is no numpy generator to seed
+    np = None
+
 from .exceptions import SlapoError
 
 __all__ = [
@@ -154,9 +159,7 @@ def set_random_seed(
     global _SEED_SET
     seed = int(seed) + 100 * (pp_rank or 0) + 10 * (dp_rank or 0)
     _pyrandom.seed(seed)
-    with contextlib.suppress(ImportError):
-        import numpy as np
-
+    if np is not None:
         np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     _TRACKER.reset()

@@ -3,6 +3,10 @@
 A schedule never changes the user's model code. Primitives (``sch["a.b"].checkpoint()``) change how
 a module runs; every primitive applied is recorded, in order and with its arguments, in the tree's
 shared :class:`ScheduleMetadata` so that targets and ``Verify`` can read and replay it.
+
+The primitive registry lives here too: a schedule dispatches ``sch.name(...)`` to the
+:class:`Primitive` registered under ``name``. The built-in primitives (``slapo.primitives``)
+register themselves on import, from the layer above, so that this module imports none of them.
 """
 
 from __future__ import annotations
@@ -12,19 +16,25 @@ import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from .exceptions import PrimitiveError, SchedulePathError
+from .exceptions import PrimitiveError, SchedulePathError, SlapoError
+from .surgery import forward_wraps, join_path, label
 
 __all__ = [
+    "PRIMITIVES",
+    "Primitive",
+    "PrimitiveRecord",
     "Schedule",
     "ScheduleMetadata",
-    "PrimitiveRecord",
     "create_schedule",
+    "get_primitive",
     "is_module_list",
+    "list_primitives",
+    "register_primitive",
 ]
 
 
@@ -60,6 +70,91 @@ class ScheduleMetadata:
     # How many primitives are running right now: a primitive that calls another one records only
     # the outer call, so a replay does not apply the inner one twice.
     _depth: int = 0
+
+
+# ----- the primitive registry ----------------------------------------------------------------
+PRIMITIVES: dict[str, type[Primitive]] = {}
+_ALIASES: dict[str, str] = {}
+
+
+class Primitive:
+    """Base class of schedule primitives.
+
+    A subclass sets ``name`` (the method name on a schedule) and implements ``apply``; its
+    docstring is the primitive's help text. ``aliases`` keeps older spellings working.
+
+    Example:
+        >>> @register_primitive()
+        ... class Hello(Primitive):
+        ...     '''Print the path of the module.'''
+        ...     name = "hello_doc"
+        ...     @staticmethod
+        ...     def apply(sch):
+        ...         print("hello", label(sch.path))
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+
+    @staticmethod
+    def apply(sch: Schedule, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def is_verifiable(cls) -> bool:
+        """Whether ``Verify`` can check this primitive by comparing outputs and gradients."""
+        return True
+
+
+def register_primitive(override: bool = False):
+    """Class decorator that registers a :class:`Primitive` subclass under its ``name``.
+
+    Args:
+        override: replace an existing primitive of the same name instead of raising.
+    """
+
+    def decorator(cls: type[Primitive]) -> type[Primitive]:
+        if not (isinstance(cls, type) and issubclass(cls, Primitive)) or not cls.name:
+            raise SlapoError(
+                f"register_primitive expects a Primitive subclass with a `name`, got {cls!r}"
+            )
+        for key in (cls.name, *cls.aliases):
+            taken = get_primitive(key)
+            if taken is not None and taken is not cls and not override:
+                raise SlapoError(
+                    f"a primitive named '{key}' is already registered ({taken.__name__}); "
+                    "pick another name or pass register_primitive(override=True)"
+                )
+        PRIMITIVES[cls.name] = cls
+        for alias in cls.aliases:
+            _ALIASES[alias] = cls.name
+        return cls
+
+    if isinstance(override, type):  # used bare: @register_primitive
+        cls, override = override, False
+        return decorator(cls)
+    return decorator
+
+
+def get_primitive(name: str) -> type[Primitive] | None:
+    """The primitive registered under ``name`` (or under an alias of it), or None."""
+    return PRIMITIVES.get(name) or PRIMITIVES.get(_ALIASES.get(name, ""))
+
+
+def list_primitives(name_only: bool = True) -> list[str] | dict[str, type[Primitive]]:
+    """List all available schedule primitives.
+
+    Args:
+        name_only: return the sorted names; otherwise a dict from name to primitive class, whose
+            docstring (``help(cls)``) describes it.
+
+    Example:
+        >>> "checkpoint" in list_primitives()
+        True
+    """
+    if name_only:
+        return sorted(PRIMITIVES)
+    return dict(sorted(PRIMITIVES.items()))
 
 
 def is_module_list(module: nn.Module, name: str = "", parent: Schedule | None = None) -> bool:
@@ -123,7 +218,7 @@ class Schedule:
     # ----- the tree -------------------------------------------------------------------------
     def _build_children(self) -> None:
         self.child = OrderedDict(
-            (name, Schedule(sub, name, _join(self.path, name), self, self.group, self.metadata))
+            (name, Schedule(sub, name, join_path(self.path, name), self, self.group, self.metadata))
             for name, sub in self.mod.named_children()
         )
 
@@ -142,7 +237,7 @@ class Schedule:
         """Yield ``(relative path, schedule)`` for this schedule and every descendant, pre-order."""
         yield prefix, self
         for name, sch in self.child.items():
-            yield from sch.named_schedules(_join(prefix, name))
+            yield from sch.named_schedules(join_path(prefix, name))
 
     @property
     def applied_primitives(self) -> list[PrimitiveRecord]:
@@ -186,8 +281,6 @@ class Schedule:
         # user primitives registered after import become methods too.
         if name.startswith("_"):
             raise AttributeError(name)
-        from .primitives.base import get_primitive
-
         prim = get_primitive(name)
         if prim is None:
             raise AttributeError(
@@ -201,7 +294,7 @@ class Schedule:
 
         return call
 
-    def _apply_primitive(self, prim: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    def _apply_primitive(self, prim: type[Primitive], args: tuple, kwargs: dict[str, Any]) -> Any:
         meta = self.metadata
         meta._depth += 1
         try:
@@ -213,8 +306,6 @@ class Schedule:
         return result
 
     def __dir__(self) -> list[str]:
-        from .primitives.base import list_primitives
-
         return sorted(set(super().__dir__()) | set(list_primitives(name_only=True)))
 
     # ----- module surgery, used by primitives ---------------------------------------------------
@@ -227,9 +318,9 @@ class Schedule:
 
     def require_unapplied(self, primitive: str) -> None:
         """Raise if ``primitive`` was already applied to this schedule's current module."""
-        if primitive in getattr(type(self.mod), "_slapo_forward_wraps", ()):
+        if primitive in forward_wraps(self.mod):
             raise PrimitiveError(
-                f'"{self.path or "<root>"}" already has {primitive}() applied; applying it twice '
+                f'"{label(self.path)}" already has {primitive}() applied; applying it twice '
                 "would wrap the module twice. Apply it once."
             )
 
@@ -284,10 +375,6 @@ def create_schedule(
     if parent is not None and metadata is None:
         metadata = parent.metadata
     return Schedule(root, name, path, parent, group, metadata, **kwargs)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _short_repr(value: Any) -> str:

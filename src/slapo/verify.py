@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .exceptions import SlapoError
 from .random import get_cuda_rng_tracker
 from .schedule import PrimitiveRecord, Schedule, create_schedule
+from .sharding.spec import get_shard_spec
+from .surgery import label
 
 __all__ = ["Verify", "VerificationError"]
 
@@ -251,7 +254,7 @@ class Verify(contextlib.ContextDecorator):
             return f"{head} Replaying the {len(records)} primitive(s) did not reproduce it."
         return (
             f"{head} The first primitive that breaks equivalence is {culprit} on "
-            f'"{culprit.path or "<root>"}" ({detail}); no primitive after it restores equivalence.'
+            f'"{label(culprit.path)}" ({detail}); no primitive after it restores equivalence.'
         )
 
     def _bisect(
@@ -287,8 +290,6 @@ class Verify(contextlib.ContextDecorator):
 
 def _on_any_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on any rank (just ``flag`` outside torch.distributed)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         return flag
     value = torch.tensor([1.0 if flag else 0.0])
@@ -313,10 +314,6 @@ def _projection_loss(outputs: list[torch.Tensor]) -> torch.Tensor:
 def _matching_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """The part of a full gradient that a (possibly tensor-parallel sharded) parameter holds."""
     if full.shape == param.shape:
-        return full
-    try:
-        from .sharding.spec import get_shard_spec
-    except ImportError:
         return full
     spec = get_shard_spec(param)
     return spec.local_slice(full) if spec is not None else full

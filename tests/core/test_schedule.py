@@ -8,7 +8,7 @@ from hf_models import llama, make
 from torch import nn
 
 import slapo
-from slapo.primitives.base import PRIMITIVES
+from slapo.schedule import PRIMITIVES
 
 
 def test_tree_mirrors_module_tree_including_module_lists():

@@ -70,7 +70,9 @@ def tp_job(rank: int, world: int) -> dict[str, str | None]:
         "llama", ckpt_ratio=1.0, attn_op="sdpa", fused_loss=True
     )
     checks["bert tp + fuse_ops + ckpt"] = lambda: check_tp("bert", fuse_ops=True, ckpt_ratio=0.5)
-    checks["t5 tp + ckpt + eager attention"] = lambda: check_tp("t5", ckpt_ratio=1.0, attn_op="eager")
+    checks["t5 tp + ckpt + eager attention"] = lambda: check_tp(
+        "t5", ckpt_ratio=1.0, attn_op="eager"
+    )
     checks["llama heads that do not divide: clear error"] = check_head_split_error
     return run_checks(checks)
 

@@ -17,23 +17,45 @@ transformers = pytest.importorskip("transformers")
 
 def _tiny_llama():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _tiny_qwen3():
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=64)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+    )
     return transformers.Qwen3ForCausalLM(cfg)
 
 
 def _tiny_gpt2():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -41,6 +63,7 @@ def _ce(n_mb):
     def loss_fn(out, labels):
         logits = out.logits[:, :-1].reshape(-1, out.logits.shape[-1])
         return nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1)) / n_mb
+
     return loss_fn
 
 
@@ -48,7 +71,9 @@ def _ce(n_mb):
 def test_llama_preset_sync_training_equals_pytorch(ndev):
     ref = _tiny_llama()
     hf = copy.deepcopy(ref)
-    model = wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2), pin_model="off")
+    model = wrap_model_to_roundpipe(
+        hf, model_run_config=RoundPipeRunConfig(num_microbatch=2), pin_model="off"
+    )
     assert isinstance(model, RoundPipe) and model.num_layers == 5
     opt = torch.optim.Adam(model.optim_parameters(), lr=1e-3)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
@@ -60,7 +85,9 @@ def test_llama_preset_sync_training_equals_pytorch(ndev):
         loss = model.forward_backward(input_kwargs={"input_ids": ids}, label=ids, loss_fn=_ce(2))
         assert_close(loss, ref_out.loss.detach(), f"llama loss at step {step}")
         for (name, p), q in zip(hf.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+            torch.testing.assert_close(
+                p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+            )
         model.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -71,7 +98,9 @@ def test_llama_preset_sync_training_equals_pytorch(ndev):
 def test_llama_preset_autograd_forward_matches(two_devices):
     ref = _tiny_llama()
     hf = copy.deepcopy(ref)
-    model = wrap_model_to_roundpipe(hf, model_run_config=RoundPipeRunConfig(num_microbatch=2), pin_model="off")
+    model = wrap_model_to_roundpipe(
+        hf, model_run_config=RoundPipeRunConfig(num_microbatch=2), pin_model="off"
+    )
     ids = torch.randint(0, 64, (4, 8))
     out = model(input_ids=ids, labels=ids)
     ref_out = ref(input_ids=ids, labels=ids)
@@ -87,8 +116,12 @@ def test_llama_preset_autograd_forward_matches(two_devices):
 def test_other_presets_match(two_devices, make):
     ref = make()
     hf = copy.deepcopy(ref)
-    model = wrap_model_to_roundpipe(hf, use_sequential_preset=True, pin_model="off",
-                                    model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = wrap_model_to_roundpipe(
+        hf,
+        use_sequential_preset=True,
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     ids = torch.randint(0, 64, (4, 8))
     out = model(input_ids=ids, labels=ids)
     ref_out = ref(input_ids=ids, labels=ids)
@@ -122,8 +155,12 @@ def test_heuristic_auto_roundpipe_trains_like_pytorch(ndev):
     torch.manual_seed(0)
     ref = _Net()
     net = copy.deepcopy(ref)
-    model = wrap_model_to_roundpipe(net, lower_threshold=1024, pin_model="off",
-                                    model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    model = wrap_model_to_roundpipe(
+        net,
+        lower_threshold=1024,
+        pin_model="off",
+        model_run_config=RoundPipeRunConfig(num_microbatch=2),
+    )
     assert isinstance(model, AutoRoundPipe)
     assert all(isinstance(b, RoundPipe) for b in net.blocks)
     opt = torch.optim.Adam(model.optim_parameters(), lr=1e-2)

@@ -12,7 +12,9 @@ from roundpipe import RoundPipe
 
 def test_eval_after_training_turns_dropout_off_on_every_device(ndev):
     torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1))
+    ref = nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)
+    )
     model = RoundPipe(copy.deepcopy(ref), pin_model="off")
     x = torch.randn(6, 8)
     model.train()

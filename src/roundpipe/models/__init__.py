@@ -42,9 +42,13 @@ def wrap_model(model: Any, **roundpipe_kwargs: Any) -> Any:
     preset = find_preset(model)
     if preset is None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        raise NotImplementedError(f"no RoundPipe preset for model type {model_type!r}; "
-                                  f"supported: {sorted(SUPPORTED_MODELS)}")
+        raise NotImplementedError(
+            f"no RoundPipe preset for model type {model_type!r}; "
+            f"supported: {sorted(SUPPORTED_MODELS)}"
+        )
     if type(model).__name__ not in preset.MODEL_CLASSES:
-        raise NotImplementedError(f"the {preset.__name__} preset supports {preset.MODEL_CLASSES}, "
-                                  f"got {type(model).__name__}")
+        raise NotImplementedError(
+            f"the {preset.__name__} preset supports {preset.MODEL_CLASSES}, "
+            f"got {type(model).__name__}"
+        )
     return preset.wrap(model, **roundpipe_kwargs)

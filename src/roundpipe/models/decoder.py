@@ -13,22 +13,56 @@ import torch
 from torch import nn
 
 
+def causal_mask(
+    config: Any,
+    hidden: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    sliding: bool = False,
+) -> Any:
+    """The (sliding-window) causal mask a Hugging Face decoder layer expects."""
+    # deferred: transformers is heavy and only Hugging Face models reach this layer
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+    return make_mask(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=attention_mask,
+        past_key_values=None,
+        position_ids=position_ids,
+    )
+
+
 class DecoderEmbed(nn.Module):
-    """Token embedding; also fills default position ids."""
+    """Token embedding; also fills default position ids.
+
+    Subclasses add position embeddings by overriding :meth:`add_positions`.
+    """
 
     def __init__(self, embed_tokens: nn.Module) -> None:
         super().__init__()
         self.embed_tokens = embed_tokens
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **unused: Any) -> tuple:
+    def add_positions(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Combine token embeddings with positions (rotary models: nothing to add here)."""
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **unused: Any,
+    ) -> tuple:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return hidden, attention_mask, position_ids, labels
+        return self.add_positions(hidden, position_ids), attention_mask, position_ids, labels
 
 
 class DecoderBlock(nn.Module):
@@ -41,15 +75,18 @@ class DecoderBlock(nn.Module):
         self.config = config
         self.sliding = sliding
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        make_mask = create_sliding_window_causal_mask if self.sliding else create_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                         past_key_values=None, position_ids=position_ids)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+    ) -> tuple:
+        mask = causal_mask(self.config, hidden, attention_mask, position_ids, self.sliding)
         pe = self.rotary_emb(hidden, position_ids)
-        hidden = self.layer(hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe)
+        hidden = self.layer(
+            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe
+        )
         return hidden, attention_mask, position_ids, labels
 
 
@@ -63,8 +100,14 @@ class DecoderHead(nn.Module):
         self.vocab_size = owner.config.vocab_size
         object.__setattr__(self, "_loss", owner.loss_function)  # not a submodule
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, labels: torch.Tensor | None) -> Any:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+    ) -> Any:
+        # deferred: transformers is heavy and only Hugging Face models reach this layer
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         logits = self.lm_head(self.norm(hidden))
@@ -76,6 +119,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """Layer list of a Llama-style ``*ForCausalLM``."""
     base = model.model
     types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(base.layers)
-    blocks = [DecoderBlock(layer, base.rotary_emb, model.config, types[i] == "sliding_attention")
-              for i, layer in enumerate(base.layers)]
+    blocks = [
+        DecoderBlock(layer, base.rotary_emb, model.config, types[i] == "sliding_attention")
+        for i, layer in enumerate(base.layers)
+    ]
     return [DecoderEmbed(base.embed_tokens), *blocks, DecoderHead(base.norm, model.lm_head, model)]

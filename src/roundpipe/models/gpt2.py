@@ -11,28 +11,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from .decoder import DecoderHead
+from ..roundpipe import RoundPipe
+from .decoder import DecoderEmbed, DecoderHead, causal_mask
 
 MODEL_CLASSES = ("GPT2LMHeadModel",)
 
 
-class GPT2Embed(nn.Module):
+class GPT2Embed(DecoderEmbed):
     """Token + position embeddings and embedding dropout."""
 
     def __init__(self, wte: nn.Module, wpe: nn.Module, drop: nn.Module) -> None:
-        super().__init__()
-        self.wte, self.wpe, self.drop = wte, wpe, drop
+        super().__init__(wte)
+        self.wpe, self.drop = wpe, drop
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, **unused: Any) -> tuple:
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        hidden = self.wte(input_ids) if inputs_embeds is None else inputs_embeds
-        if position_ids is None:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        hidden = self.drop(hidden + self.wpe(position_ids))
-        return hidden, attention_mask, position_ids, labels
+    def add_positions(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Add learned position embeddings, then embedding dropout."""
+        return self.drop(hidden + self.wpe(position_ids))
 
 
 class GPT2BlockLayer(nn.Module):
@@ -43,22 +37,25 @@ class GPT2BlockLayer(nn.Module):
         self.block = block
         self.config = config
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple:
-        from transformers.masking_utils import create_causal_mask
-
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=position_ids)
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+    ) -> tuple:
+        mask = causal_mask(self.config, hidden, attention_mask, position_ids)
         out = self.block(hidden, attention_mask=mask)
         hidden = out[0] if isinstance(out, tuple) else out
         return hidden, attention_mask, position_ids, labels
 
 
-def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> Any:
+def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
     """Wrap a ``GPT2LMHeadModel``; call it like the original (``input_ids``, ``labels``, ...)."""
-    from ..roundpipe import RoundPipe
-
     t = model.transformer
-    layers = [GPT2Embed(t.wte, t.wpe, t.drop), *[GPT2BlockLayer(b, model.config) for b in t.h],
-              DecoderHead(t.ln_f, model.lm_head, model)]
+    layers = [
+        GPT2Embed(t.wte, t.wpe, t.drop),
+        *[GPT2BlockLayer(b, model.config) for b in t.h],
+        DecoderHead(t.ln_f, model.lm_head, model),
+    ]
     return RoundPipe(model, layers=layers, **roundpipe_kwargs)

@@ -6,13 +6,12 @@ from typing import Any
 
 from torch import nn
 
+from ..roundpipe import RoundPipe
 from .decoder import decoder_layers
 
 MODEL_CLASSES = ("LlamaForCausalLM",)
 
 
-def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> Any:
+def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
     """Wrap a ``LlamaForCausalLM``; call it like the original (``input_ids``, ``labels``, ...)."""
-    from ..roundpipe import RoundPipe
-
     return RoundPipe(model, layers=decoder_layers(model), **roundpipe_kwargs)

@@ -4,18 +4,8 @@ bias+dropout+residual."""
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .fusion import fuse_bias_dropout_residual, fuse_bias_gelu, install_fused_loss
-from .helpers import (
-    blocks,
-    checkpoint_blocks,
-    column,
-    cut_stages,
-    divide_attrs,
-    enter,
-    require,
-    row,
-    use_attention,
-)
+from .fusion import fuse_bias_dropout_residual, fuse_bias_gelu
+from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -39,13 +29,12 @@ def bert(sch: Schedule, k: Knobs) -> None:
             enter(sch, f"{blk}.intermediate")
     if k.fuse_ops:
         for blk in layers:
-            fuse_bias_gelu(sch, f"{blk}.intermediate.dense", f"{blk}.intermediate.intermediate_act_fn")
+            fuse_bias_gelu(
+                sch, f"{blk}.intermediate.dense", f"{blk}.intermediate.intermediate_act_fn"
+            )
             if not k.tensor_parallel:  # a row-parallel bias is added after the all-reduce
                 fuse_bias_dropout_residual(sch, f"{blk}.attention.output")
                 fuse_bias_dropout_residual(sch, f"{blk}.output")
-    use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
     if k.fused_loss:
         require("cls" in sch.child, "fused_loss needs a masked-LM head (cls.predictions)")
-        install_fused_loss(sch, "cls.predictions.decoder", shift=False)
-    cut_stages(sch, layers, k.num_stages)
+    apply_shared_knobs(sch, k, layers, "cls.predictions.decoder", shift=False)

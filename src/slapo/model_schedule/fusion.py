@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exceptions import SlapoError
+from ..op import BiasDropoutResidual, bias_gelu, linear_cross_entropy
 from ..schedule import Schedule
+from ..surgery import is_conv1d
 
 __all__ = ["LinearBiasGELU", "DenseBiasDropoutResidualNorm", "FusedLossHead", "COMPILER"]
 
@@ -69,12 +71,10 @@ class LinearBiasGELU(nn.Module):
             raise SlapoError(f"LinearBiasGELU needs a linear layer with a bias, got {linear}")
         self.weight = linear.weight
         self.bias = linear.bias
-        self.transposed = type(linear).__name__ == "Conv1D"  # Conv1D stores W as in x out
+        self.transposed = is_conv1d(linear)  # Conv1D stores W as in x out
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ..op import bias_gelu
-
         out = torch.matmul(x, self.weight) if self.transposed else F.linear(x, self.weight)
         return _kernel("bias_gelu", bias_gelu)(out, self.bias, self.approximate)
 
@@ -92,8 +92,6 @@ class DenseBiasDropoutResidualNorm(nn.Module):
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
-        from ..op import BiasDropoutResidual
-
         self.dense = block.dense
         self.dropout = block.dropout
         self.LayerNorm = block.LayerNorm  # noqa: N815  (the name in the checkpoint)
@@ -147,8 +145,6 @@ def install_fused_loss(sch: Schedule, head: str, shift: bool, chunk_size: int = 
 
     ``shift``: next-token prediction (causal LMs compare position t with label t + 1).
     """
-    from ..op import linear_cross_entropy
-
     model = sch.mod
     fused = FusedLossHead(sch[head].mod)
     sch[head].replace(fused)

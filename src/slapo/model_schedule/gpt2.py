@@ -5,18 +5,8 @@ from __future__ import annotations
 
 from ..schedule import Schedule
 from ..sharding import mark_sequence_parallel
-from .fusion import fuse_bias_gelu, install_fused_loss
-from .helpers import (
-    blocks,
-    checkpoint_blocks,
-    column,
-    cut_stages,
-    divide_attrs,
-    enter,
-    require,
-    row,
-    use_attention,
-)
+from .fusion import fuse_bias_gelu
+from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -25,8 +15,11 @@ from .registry import register_schedule
 def gpt2(sch: Schedule, k: Knobs) -> None:
     """The GPT-2 plan (``GPT2LMHeadModel``)."""
     layers, sp = blocks(sch, "transformer.h"), k.sequence_parallel
-    require(not (k.fused_loss and k.tensor_parallel), "gpt2: fused_loss with group= is not "
-            "supported: the tied LM head is vocabulary-parallel; drop one of them")
+    require(
+        not (k.fused_loss and k.tensor_parallel),
+        "gpt2: fused_loss with group= is not "
+        "supported: the tied LM head is vocabulary-parallel; drop one of them",
+    )
     if k.tensor_parallel:
         for blk in layers:
             column(sch, f"{blk}.attn.c_attn", fused=3)  # q, k, v are stacked in one weight
@@ -51,8 +44,4 @@ def gpt2(sch: Schedule, k: Knobs) -> None:
     if k.fuse_ops:
         for blk in layers:
             fuse_bias_gelu(sch, f"{blk}.mlp.c_fc", f"{blk}.mlp.act")
-    use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
-    if k.fused_loss:
-        install_fused_loss(sch, "lm_head", shift=True)
-    cut_stages(sch, layers, k.num_stages)
+    apply_shared_knobs(sch, k, layers, "lm_head", shift=True)

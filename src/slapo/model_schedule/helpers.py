@@ -11,6 +11,7 @@ fused q/k/v output).
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any
 
@@ -19,7 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..exceptions import SlapoError
+from ..op import attention, register_transformers_attention
 from ..schedule import Schedule
+from ..sharding import resolve_group
+from ..surgery import is_conv1d
+from .fusion import install_fused_loss
+from .knobs import Knobs
 
 __all__ = [
     "blocks",
@@ -31,6 +37,7 @@ __all__ = [
     "checkpoint_blocks",
     "cut_stages",
     "use_attention",
+    "apply_shared_knobs",
     "require",
 ]
 
@@ -48,22 +55,18 @@ def blocks(sch: Schedule, *lists: str) -> list[str]:
     return [f"{path}.{name}" for path in lists for name in sch[path].child]
 
 
-def _is_linear(mod: nn.Module) -> bool:
-    # transformers' Conv1D (GPT-2) stores its weight transposed (in x out); nn.Linear (out x in).
-    return type(mod).__name__ != "Conv1D"
-
-
 def column(sch: Schedule, path: str, fused: int = 1) -> None:
     """Column-parallel linear: split the output features (and the bias, if any)."""
     mod = sch[path].mod
-    sch[path].shard("weight", axis=0 if _is_linear(mod) else 1, fused=fused)
+    # transformers' Conv1D (GPT-2) stores its weight transposed (in x out); nn.Linear (out x in).
+    sch[path].shard("weight", axis=1 if is_conv1d(mod) else 0, fused=fused)
     if getattr(mod, "bias", None) is not None:
         sch[path].shard("bias", axis=0, fused=fused)
 
 
 def row(sch: Schedule, path: str, sequence_parallel: bool = False) -> None:
     """Row-parallel linear: split the input features; all-reduce (or reduce-scatter) the output."""
-    sch[path].shard("weight", axis=1 if _is_linear(sch[path].mod) else 0)
+    sch[path].shard("weight", axis=0 if is_conv1d(sch[path].mod) else 1)
     if sequence_parallel:
         sch[path].sync(mode="fwd_post", sync_op_or_fn="reduce_scatter", dim=1)
     else:
@@ -80,8 +83,6 @@ def enter(sch: Schedule, path: str, sequence_parallel: bool = False) -> None:
 
 def tp_size(sch: Schedule) -> int:
     """The size of the schedule's tensor-parallel group."""
-    from ..sharding import resolve_group
-
     return dist.get_world_size(resolve_group(sch.group))
 
 
@@ -122,6 +123,21 @@ def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
     return cuts
 
 
+def apply_shared_knobs(sch: Schedule, k: Knobs, layers: list[str], head: str, shift: bool) -> None:
+    """Apply the knobs every family handles alike, after its own plan: the attention kernel,
+    checkpointing of ``layers``, the fused loss from the hidden states at ``head`` (``shift``:
+    next-token prediction), and the pipeline cuts between ``layers``.
+
+    Example:
+        >>> apply_shared_knobs(sch, knobs, blocks(sch, "model.layers"), "lm_head", shift=True)
+    """
+    use_attention(sch, k.attn_op)
+    checkpoint_blocks(sch, layers, k.ckpt_ratio)
+    if k.fused_loss:
+        install_fused_loss(sch, head, shift=shift)
+    cut_stages(sch, layers, k.num_stages)
+
+
 def use_attention(sch: Schedule, attn_op: str | None) -> int:
     """Route every attention module of a transformers model through ``slapo.op.attention``.
 
@@ -130,14 +146,13 @@ def use_attention(sch: Schedule, attn_op: str | None) -> int:
     """
     if attn_op is None:
         return 0
-    from ..op import register_transformers_attention
-
     model = sch.mod
     config = getattr(model, "config", None)
     if config is None:
         raise SlapoError(f"attn_op={attn_op!r} needs a transformers model (with .config)")
     if any(hasattr(m, "has_relative_attention_bias") for m in model.modules()):
         # T5 hands its relative position bias over as position_bias=, apart from the mask.
+        # deferred: transformers takes seconds to import; only T5 schedules need it here.
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -174,8 +189,6 @@ def _attention_with_position_bias(
     **kwargs: Any,
 ) -> tuple[Any, None]:
     """transformers attention signature; the position bias joins the additive mask."""
-    from ..op import attention
-
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[:, :, :, : key.shape[-2]]
@@ -191,8 +204,6 @@ def _attention_with_position_bias(
 
 
 def _calls_interface(mod: nn.Module) -> bool:
-    import inspect
-
     try:
         return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(type(mod).forward)
     except (OSError, TypeError):

@@ -6,8 +6,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..exceptions import SlapoError
+from ..sharding import resolve_group
 
 __all__ = ["Knobs", "ATTN_OPS"]
 
@@ -72,9 +74,5 @@ class Knobs:
 
 
 def _describe(group: Any) -> str:
-    from ..sharding import resolve_group
-
     pg = resolve_group(group)
-    import torch.distributed as dist
-
     return f"tp{dist.get_world_size(pg)}"

@@ -3,18 +3,7 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .fusion import install_fused_loss
-from .helpers import (
-    blocks,
-    checkpoint_blocks,
-    column,
-    cut_stages,
-    enter,
-    require,
-    row,
-    tp_size,
-    use_attention,
-)
+from .helpers import apply_shared_knobs, blocks, column, enter, require, row, tp_size
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -24,8 +13,11 @@ def llama(sch: Schedule, k: Knobs) -> None:
     """The Llama plan (``LlamaForCausalLM`` and look-alikes); K/V heads must divide by TP size."""
     layers = blocks(sch, "model.layers")
     require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
-    require(not k.fuse_ops, "fuse_ops: llama has nothing to fuse (its MLP is SiLU-gated and "
-            "bias-free, its residuals carry no bias)")
+    require(
+        not k.fuse_ops,
+        "fuse_ops: llama has nothing to fuse (its MLP is SiLU-gated and "
+        "bias-free, its residuals carry no bias)",
+    )
     if k.tensor_parallel:
         world = tp_size(sch)
         for heads in ("num_attention_heads", "num_key_value_heads"):
@@ -44,8 +36,4 @@ def llama(sch: Schedule, k: Knobs) -> None:
                 column(sch, f"{blk}.mlp.{proj}")
             row(sch, f"{blk}.mlp.down_proj")
             enter(sch, f"{blk}.mlp")
-    use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
-    if k.fused_loss:
-        install_fused_loss(sch, "lm_head", shift=True)
-    cut_stages(sch, layers, k.num_stages)
+    apply_shared_knobs(sch, k, layers, "lm_head", shift=True)

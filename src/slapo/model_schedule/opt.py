@@ -3,18 +3,7 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .fusion import install_fused_loss
-from .helpers import (
-    blocks,
-    checkpoint_blocks,
-    column,
-    cut_stages,
-    divide_attrs,
-    enter,
-    require,
-    row,
-    use_attention,
-)
+from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -24,8 +13,11 @@ def opt(sch: Schedule, k: Knobs) -> None:
     """The OPT plan (``OPTForCausalLM``); fc1/fc2 live in the decoder layer itself."""
     layers = blocks(sch, "model.decoder.layers")
     require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
-    require(not k.fuse_ops, "fuse_ops: opt has no bias+GELU (its MLP is ReLU) and adds its "
-            "residuals inside the decoder layer's forward")
+    require(
+        not k.fuse_ops,
+        "fuse_ops: opt has no bias+GELU (its MLP is ReLU) and adds its "
+        "residuals inside the decoder layer's forward",
+    )
     if k.tensor_parallel:
         for blk in layers:
             for proj in ("q_proj", "k_proj", "v_proj"):
@@ -36,8 +28,4 @@ def opt(sch: Schedule, k: Knobs) -> None:
             column(sch, f"{blk}.fc1")
             row(sch, f"{blk}.fc2")
             enter(sch, f"{blk}.fc1")
-    use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
-    if k.fused_loss:
-        install_fused_loss(sch, "lm_head", shift=True)
-    cut_stages(sch, layers, k.num_stages)
+    apply_shared_knobs(sch, k, layers, "lm_head", shift=True)

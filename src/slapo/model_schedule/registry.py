@@ -60,7 +60,9 @@ def get_schedule(family: str) -> ScheduleFn:
     return _SCHEDULES[family]
 
 
-def apply_schedule(model: nn.Module | Schedule, family: str | None = None, **knobs: Any) -> Schedule:
+def apply_schedule(
+    model: nn.Module | Schedule, family: str | None = None, **knobs: Any
+) -> Schedule:
     """Schedule a transformers model with its family's ready plan; returns the root schedule.
 
     Args:
@@ -92,7 +94,9 @@ def apply_schedule(model: nn.Module | Schedule, family: str | None = None, **kno
     elif isinstance(model, nn.Module):
         sch = create_schedule(model, group=settings.group)
     else:
-        raise SlapoError(f"apply_schedule needs an nn.Module or a Schedule, got {type(model).__name__}")
+        raise SlapoError(
+            f"apply_schedule needs an nn.Module or a Schedule, got {type(model).__name__}"
+        )
     if family is None:
         config = getattr(sch.mod, "config", None)
         family = getattr(config, "model_type", None)

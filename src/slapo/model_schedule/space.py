@@ -27,7 +27,9 @@ def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 
         ['attn_op', 'ckpt_ratio', 'fuse_ops', 'fused_loss']
     """
     space.create_symbol("ckpt_ratio", [0.0, 0.5, 1.0])
-    space.create_symbol("attn_op", ["eager", "sdpa"] + (["flash"] if torch.cuda.is_available() else []))
+    space.create_symbol(
+        "attn_op", ["eager", "sdpa"] + (["flash"] if torch.cuda.is_available() else [])
+    )
     if family in FUSIBLE:
         space.create_symbol("fuse_ops", [False, True])
     if not (family == "gpt2" and tp_size > 1):  # gpt2's TP head is vocabulary-parallel
@@ -35,7 +37,9 @@ def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 
     if tp_size > 1 and family in SEQUENCE_PARALLEL:
         space.create_symbol("sequence_parallel", [False, True])
     if world_size > 1:
-        space.create_symbol("num_stages", [n for n in range(1, world_size + 1) if world_size % n == 0])
+        space.create_symbol(
+            "num_stages", [n for n in range(1, world_size + 1) if world_size % n == 0]
+        )
     return space
 
 

@@ -4,18 +4,7 @@ relative position bias is sharded over the heads."""
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .fusion import install_fused_loss
-from .helpers import (
-    blocks,
-    checkpoint_blocks,
-    column,
-    cut_stages,
-    divide_attrs,
-    enter,
-    require,
-    row,
-    use_attention,
-)
+from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -46,8 +35,4 @@ def t5(sch: Schedule, k: Knobs) -> None:
                 divide_attrs(sch, path, "n_heads", "inner_dim")
                 if "relative_attention_bias" in sch[path].child:
                     sch[f"{path}.relative_attention_bias"].shard("weight", axis=1)  # heads
-    use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
-    if k.fused_loss:
-        install_fused_loss(sch, "lm_head", shift=False)
-    cut_stages(sch, layers, k.num_stages)
+    apply_shared_knobs(sch, k, layers, "lm_head", shift=False)

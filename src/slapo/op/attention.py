@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..exceptions import SlapoError
 
@@ -78,8 +79,6 @@ def attention(
     if impl == "eager":
         return _eager(q, k, v, mask, dropout_p, is_causal, scale)
     if impl == "flash" or (impl == "auto" and flash_ok):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale
@@ -144,7 +143,7 @@ def register_transformers_attention(name: str = "slapo") -> str:
         >>> name = register_transformers_attention()
         >>> model.set_attn_implementation(name)  # doctest: +SKIP
     """
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # deferred: transformers takes seconds to import
 
     AttentionInterface.register(name, _transformers_attention)
     return name

@@ -23,6 +23,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from ..logger import get_logger
 from .errors import PipelineError
@@ -39,10 +40,8 @@ class FailTogether:
     """Context of one pipeline step; ``timeout`` bounds the wait for the other ranks' reports."""
 
     def __init__(self, stages_of_rank: dict[int, list[int]], timeout: float) -> None:
-        from torch.distributed.distributed_c10d import _get_default_store
-
         # Kept from the start: the store still works once the group's links are broken.
-        self.store = _get_default_store()
+        self.store = c10d._get_default_store()
         self.stages_of_rank = stages_of_rank
         self.timeout = timeout
         self.rank = dist.get_rank()
@@ -83,9 +82,7 @@ class FailTogether:
             if self._broken:
                 return
             self._broken = True
-        from torch.distributed.distributed_c10d import _world
-
-        for pg in list(_world.pg_map):
+        for pg in list(c10d._world.pg_map):
             try:
                 ranks = dist.get_process_group_ranks(pg)
             except Exception:  # noqa: BLE001  (a group already destroyed)

@@ -52,6 +52,7 @@ def partition_model(
         >>> [type(s).__name__ for s in part.stages]
         ['GraphModule', 'GraphModule']
     """
+    # deferred: torch.distributed.pipelining is not loaded by `import torch`; only pipelines need it
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     calls = _count_calls(model, cuts)

@@ -1,7 +1,7 @@
 """Keep tensor-parallel collectives whole when torch's ``pipeline()`` traces a sharded model.
 
 Slapo's collectives (``slapo.sharding.collectives``) and the gradient hook of ``sync(mode=
-"bwd_post")`` are ``torch.autograd.Function``s. torch.export records only the aten ops of their
+"bwd_post")`` (``slapo.sharding.sync_ops``) are ``torch.autograd.Function``s. torch.export records only the aten ops of their
 forward: a custom backward (the all-reduce of an input gradient, say) would be lost, and the
 stage would train with wrong gradients. While tracing, :func:`opaque_collectives` swaps each of
 these Functions for a shim that calls one custom op, ``slapo_pipeline::collective``, which the
@@ -17,6 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from ..sharding import collectives, sync_ops
 
 __all__ = ["opaque_collectives"]
 
@@ -44,8 +47,6 @@ def _collective_bwd(grad: torch.Tensor, key: int) -> torch.Tensor:
 
 
 def _world(args: tuple) -> int:
-    import torch.distributed as dist
-
     return dist.get_world_size(args[0])
 
 
@@ -102,11 +103,8 @@ def opaque_collectives() -> Iterator[None]:
         >>> with opaque_collectives():
         ...     pipe = torch.distributed.pipelining.pipeline(tp_model, (ids,), {})
     """
-    from ..primitives import sync
-    from ..sharding import collectives
-
     names = [(collectives, n) for n in ("_AllReduce", "_AllGather", "_ReduceScatter", "_Scatter")]
-    names.append((sync, "_GradOp"))
+    names.append((sync_ops, "_GradOp"))
     saved = [(mod, n, getattr(mod, n)) for mod, n in names]
     for mod, n, cls in saved:
         setattr(mod, n, _Shim(cls))

@@ -1,5 +1,7 @@
 """Schedule primitives: importing this package registers the built-in ones."""
 
+from ..schedule import Primitive, get_primitive, list_primitives, register_primitive
+from ..sharding.sync_ops import register_sync_op
 from . import (  # noqa: F401  (importing registers the primitives)
     annotate,
     checkpoint,
@@ -13,8 +15,6 @@ from . import (  # noqa: F401  (importing registers the primitives)
     sync,
     trace,
 )
-from .base import Primitive, get_primitive, list_primitives, register_primitive
-from .sync import register_sync_op
 
 __all__ = [
     "Primitive",

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..exceptions import PrimitiveError
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import join_path, label
 
 
 @register_primitive()
@@ -35,20 +33,16 @@ class AnnotatePrimitive(Primitive):
                 n for n, _ in sch.mod.named_parameters() if n.rsplit(".", 1)[-1] == param_name
             ]
             hint = (
-                f' Did you mean sch["{_join(sch.path, nested[0].rsplit(".", 1)[0])}"]'
+                f' Did you mean sch["{join_path(sch.path, nested[0].rsplit(".", 1)[0])}"]'
                 f'.annotate("{param_name}", ...)?'
                 if nested
                 else ""
             )
             raise PrimitiveError(
-                f'annotate: "{sch.path or "<root>"}" ({type(sch.mod).__name__}) has no parameter '
+                f'annotate: "{label(sch.path)}" ({type(sch.mod).__name__}) has no parameter '
                 f'"{param_name}"; its own parameters are: {", ".join(params) or "(none)"}.{hint}'
             )
         if not isinstance(key, str) or not key.isidentifier():
             raise PrimitiveError(f"annotate: key must be an identifier string, got {key!r}")
         setattr(params[param_name], key, value)
         sch.metadata.param_tags.add(key)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

@@ -5,18 +5,16 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..exceptions import PrimitiveError
 from ..logger import get_logger
 from ..random import checkpoint as rng_checkpoint
-from .base import Primitive, register_primitive
-from .wrapping import wrap_forward
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import wrap_forward
+from .subgraph_checkpoint import checkpoint_subgraph
 
 # The arguments through which transformers layers read and write their key/value cache (the names
 # differ between models and versions), and the value each takes with the cache off.
@@ -111,9 +109,7 @@ class CheckpointPrimitive(Primitive):
     @staticmethod
     def apply(sch: Schedule, subgraph: Any = None, **kwargs: Any) -> None:
         if subgraph is not None:
-            from . import subgraph_checkpoint
-
-            return subgraph_checkpoint.checkpoint_subgraph(sch, subgraph, **kwargs)
+            return checkpoint_subgraph(sch, subgraph, **kwargs)
         if kwargs:
             raise PrimitiveError(
                 f'checkpoint() got unexpected arguments {sorted(kwargs)} on "{sch.path}"'

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from ..exceptions import PrimitiveError
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import label
 
 
 def pipeline_cuts(sch: Schedule) -> list[str]:
@@ -40,7 +36,7 @@ class CutPipelineStagePrimitive(Primitive):
 
     @staticmethod
     def apply(sch: Schedule) -> None:
-        where = sch.path or "<root>"
+        where = label(sch.path)
         if sch.parent is None:
             raise PrimitiveError(
                 "cut_pipeline_stage() on the root: a stage boundary goes after a submodule, "

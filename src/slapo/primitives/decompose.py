@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..exceptions import PrimitiveError
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import is_conv1d, label, move_hooks
 
 
 class DecomposedLinear(nn.Module):
@@ -39,10 +35,6 @@ class DecomposedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
 
-def _is_conv1d(mod: nn.Module) -> bool:
-    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "weight")
-
-
 @register_primitive()
 class DecomposePrimitive(Primitive):
     """Decompose ``nn.Linear`` (or transformers ``Conv1D``) into a matmul and a bias add.
@@ -62,12 +54,12 @@ class DecomposePrimitive(Primitive):
     @staticmethod
     def apply(sch: Schedule) -> None:
         mod = sch.mod
-        where = sch.path or "<root>"
+        where = label(sch.path)
         if isinstance(mod, DecomposedLinear):
             raise PrimitiveError(f'"{where}" is already decomposed')
         if isinstance(mod, nn.Linear):
             transposed = False
-        elif _is_conv1d(mod):
+        elif is_conv1d(mod):
             transposed = True
         else:
             raise PrimitiveError(
@@ -76,9 +68,7 @@ class DecomposePrimitive(Primitive):
             )
         if mod.bias is None:
             raise PrimitiveError(f'decompose on "{where}": the layer has no bias to split off')
-        from .replace import _move_hooks
-
         new = DecomposedLinear(mod.weight, mod.bias, transposed)
         new.train(mod.training)
-        _move_hooks(mod, new)
+        move_hooks(mod, new)
         sch.swap_module(new)

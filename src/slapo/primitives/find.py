@@ -5,23 +5,21 @@ from __future__ import annotations
 import inspect
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import fx, nn
 
 from ..exceptions import PrimitiveError
 from ..pattern import Pattern, Subgraph, find_call_modules, find_pattern
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import join_path, label
 
 
 def traced_module(sch: Schedule, primitive: str) -> fx.GraphModule:
     """The schedule's module, which must be a traced ``GraphModule``."""
     if not isinstance(sch.mod, fx.GraphModule):
         raise PrimitiveError(
-            f'{primitive} on "{sch.path or "<root>"}" ({type(sch.mod).__name__}) needs a static '
+            f'{primitive} on "{label(sch.path)}" ({type(sch.mod).__name__}) needs a static '
             f'graph: call sch["{sch.path}"].trace() first'
         )
     return sch.mod
@@ -39,7 +37,7 @@ class FindPrimitive(Primitive):
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
-        >>> sch.trace(tracer="fx")
+        >>> gm = sch.trace(tracer="fx")
         >>> sch.find(lambda x: torch.nn.functional.gelu(x))
         [Subgraph(path='', nodes=[_1])]
     """
@@ -65,7 +63,7 @@ class FindPrimitive(Primitive):
                     found += find_pattern(sub.mod, pattern, rel)
         except re.error as exc:  # a name regex: the string, call_module's or ModulePattern's
             raise PrimitiveError(
-                f'find on "{sch.path or "<root>"}": {exc.pattern!r} is not a valid regular '
+                f'find on "{label(sch.path)}": {exc.pattern!r} is not a valid regular '
                 f"expression ({exc}); fix it, or match a name literally with re.escape(name)"
             ) from exc
         return found
@@ -76,7 +74,7 @@ def _graph_schedules(sch: Schedule, prefix: str = "") -> list[tuple[str, Schedul
     out = [(prefix, sch)]
     for name, child in sch.child.items():
         if isinstance(child.mod, fx.GraphModule):
-            out += _graph_schedules(child, f"{prefix}.{name}" if prefix else name)
+            out += _graph_schedules(child, join_path(prefix, name))
     return out
 
 

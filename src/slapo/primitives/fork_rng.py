@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..random import MODEL_PARALLEL_RNG, get_cuda_rng_tracker
-from .base import Primitive, register_primitive
-from .wrapping import wrap_forward
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import wrap_forward
 
 
 @register_primitive()

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..exceptions import PrimitiveError
-from .base import Primitive, register_primitive
-from .subgraph_replace import check_closed, extract, normalize, owner_of, substitute
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import label
+from .subgraph_replace import replace_each
 
 Compiler = str | Callable[..., Any] | None
 
@@ -64,12 +62,11 @@ class FusePrimitive(Primitive):
     def apply(
         sch: Schedule, subgraph: Any, compiler: Compiler = "inductor", name: str = "FusedModule"
     ) -> list[str]:
-        subs = normalize(sch, subgraph, "fuse")
-        names = []
-        for sub in subs:
-            owner = owner_of(sch, [sub], "fuse")
-            check_closed(sub, "fuse")
-            gm, inputs = extract(owner.mod, sub, name)
-            fused = compile_module(gm, compiler, owner.path or "<root>")
-            names.append(substitute(owner, [sub], fused, name, inputs))
-        return names
+        return replace_each(
+            sch,
+            subgraph,
+            "fuse",
+            name,
+            name,
+            lambda gm, owner: compile_module(gm, compiler, label(owner.path)),
+        )

@@ -2,38 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from ..exceptions import PrimitiveError, PrimitiveTypeError
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
-
-# The hook dictionaries a module carries; replace moves them to the new module so that hooks the
-# user (or a sync primitive) registered keep firing.
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
-def _move_hooks(old: nn.Module, new: nn.Module) -> None:
-    for attr in _HOOK_DICTS:
-        src = getattr(old, attr, None)
-        dst = getattr(new, attr, None)
-        if src and dst is not None:
-            for key, hook in src.items():
-                dst.setdefault(key, hook)
-    if getattr(old, "_is_full_backward_hook", None) is not None:
-        new._is_full_backward_hook = old._is_full_backward_hook
+from ..schedule import Primitive, Schedule, register_primitive
+from ..surgery import label, move_hooks
+from .subgraph_replace import replace_subgraph
 
 
 @register_primitive()
@@ -55,26 +31,17 @@ class ReplacePrimitive(Primitive):
     def apply(sch: Schedule, new_module: nn.Module, subgraph: Any = None, **kwargs: Any) -> None:
         if not isinstance(new_module, nn.Module):
             raise PrimitiveTypeError(
-                f'replace on "{sch.path or "<root>"}" needs an nn.Module, got '
+                f'replace on "{label(sch.path)}" needs an nn.Module, got '
                 f"{type(new_module).__name__}; wrap a function in an nn.Module first"
             )
         if subgraph is not None:
-            return _replace_subgraph(sch, new_module, subgraph, **kwargs)
+            return replace_subgraph(sch, new_module, subgraph, **kwargs)
         if kwargs:
             raise PrimitiveError(
                 f'replace() got unexpected arguments {sorted(kwargs)} on "{sch.path}"'
             )
         if new_module is sch.mod:
-            raise PrimitiveError(
-                f'replace on "{sch.path or "<root>"}" got the module it already has'
-            )
-        _move_hooks(sch.mod, new_module)
+            raise PrimitiveError(f'replace on "{label(sch.path)}" got the module it already has')
+        move_hooks(sch.mod, new_module)
         sch.swap_module(new_module)
         return None
-
-
-def _replace_subgraph(sch: Schedule, new_module: nn.Module, subgraph: Any, **kwargs: Any) -> Any:
-    """Replace a traced subgraph; provided by the static-graph primitives."""
-    from . import subgraph_replace  # noqa: F401  (registers the implementation)
-
-    return subgraph_replace.replace_subgraph(sch, new_module, subgraph, **kwargs)

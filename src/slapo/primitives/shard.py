@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from ..exceptions import PrimitiveError
+from ..schedule import Primitive, Schedule, register_primitive
 from ..sharding import groups
 from ..sharding.rules import apply_rule
 from ..sharding.spec import SPEC_ATTR, ShardSpec, get_shard_spec
-from .base import Primitive, register_primitive
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..surgery import join_path, label
 
 
 @register_primitive()
@@ -48,7 +44,7 @@ class ShardPrimitive(Primitive):
 
     @staticmethod
     def apply(sch: Schedule, param_name: str, axis: int, pad: bool = False, fused: int = 1) -> None:
-        path = sch.path or "<root>"
+        path = label(sch.path)
         param = _own_param(sch, param_name)
         if get_shard_spec(param) is not None:
             raise PrimitiveError(f'shard on "{path}": "{param_name}" is already sharded')
@@ -68,7 +64,7 @@ class ShardPrimitive(Primitive):
         holders = _holders(sch.root.mod, param)
         for holder_path, holder, attr in holders:
             holder._parameters[attr] = new
-            apply_rule(holder, attr, spec, holder_path or "<root>")
+            apply_rule(holder, attr, spec, label(holder_path))
         if len(holders) > 1:
             sch.metadata.tie_weights[new] = new
 
@@ -77,12 +73,12 @@ def _own_param(sch: Schedule, name: str) -> nn.Parameter:
     params = dict(sch.mod.named_parameters(recurse=False))
     if name in params:
         return params[name]
-    path = sch.path or "<root>"
+    path = label(sch.path)
     nested = [n for n, _ in sch.mod.named_parameters() if n.rsplit(".", 1)[-1] == name]
     hint = ""
     if nested:
         owner = nested[0].rsplit(".", 1)[0]
-        hint = f' Did you mean sch["{sch.path + "." if sch.path else ""}{owner}"].shard("{name}", ...)?'
+        hint = f' Did you mean sch["{join_path(sch.path, owner)}"].shard("{name}", ...)?'
     raise PrimitiveError(
         f'shard: "{path}" ({type(sch.mod).__name__}) has no parameter "{name}"; its own '
         f"parameters are: {', '.join(params) or '(none)'}.{hint}"

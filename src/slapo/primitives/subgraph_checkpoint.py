@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx, nn
 
 from ..random import checkpoint as rng_checkpoint
-from .subgraph_replace import check_closed, extract, normalize, owner_of, substitute
-
-if TYPE_CHECKING:
-    from ..schedule import Schedule
+from ..schedule import Schedule
+from .subgraph_replace import replace_each
 
 
 class CheckpointedSubgraph(nn.Module):
@@ -37,10 +35,11 @@ def checkpoint_subgraph(sch: Schedule, subgraph: Any, name: str = "checkpoint") 
         >>> sch.trace(tracer="fx", flatten=True)
         >>> sch.checkpoint(sch.find(lambda x: F.gelu(call_module("fc1", x))))
     """
-    names = []
-    for sub in normalize(sch, subgraph, "checkpoint"):
-        owner = owner_of(sch, [sub], "checkpoint")
-        check_closed(sub, "checkpoint")
-        gm, inputs = extract(owner.mod, sub, "CheckpointedSubgraph")
-        names.append(substitute(owner, [sub], CheckpointedSubgraph(gm), name, inputs))
-    return names
+    return replace_each(
+        sch,
+        subgraph,
+        "checkpoint",
+        name,
+        "CheckpointedSubgraph",
+        lambda gm, owner: CheckpointedSubgraph(gm),
+    )

@@ -9,19 +9,25 @@ from __future__ import annotations
 import operator
 import re
 import warnings
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import fx, nn
 
 from ..exceptions import PrimitiveError
 from ..logger import get_logger
 from ..pattern import Subgraph
+from ..schedule import Schedule
+from ..surgery import label, unique_name
 
-if TYPE_CHECKING:
-    from ..schedule import Schedule
-
-__all__ = ["replace_subgraph", "normalize", "check_closed", "extract", "substitute"]
+__all__ = [
+    "check_closed",
+    "extract",
+    "normalize",
+    "replace_each",
+    "replace_subgraph",
+    "substitute",
+]
 
 
 def normalize(sch: Schedule, subgraph: Any, primitive: str) -> list[Subgraph]:
@@ -33,7 +39,7 @@ def normalize(sch: Schedule, subgraph: Any, primitive: str) -> list[Subgraph]:
     if isinstance(subgraph, Sequence) and all(isinstance(s, Subgraph) for s in subgraph):
         if not subgraph:
             msg = (
-                f'{primitive} on "{sch.path or "<root>"}" got an empty match: find() found '
+                f'{primitive} on "{label(sch.path)}" got an empty match: find() found '
                 "nothing, so nothing is changed; check the pattern or regex"
             )
             warnings.warn(msg, UserWarning, stacklevel=4)
@@ -60,7 +66,7 @@ def owner_of(sch: Schedule, subgraphs: list[Subgraph], primitive: str) -> Schedu
     for s in subgraphs:
         if any(n not in graph_nodes for n in s.nodes):
             raise PrimitiveError(
-                f'{primitive}: {s} is not in the graph of "{owner.path or "<root>"}" any more '
+                f'{primitive}: {s} is not in the graph of "{label(owner.path)}" any more '
                 "(stale match); call find() again after changing the graph"
             )
     return owner
@@ -122,6 +128,30 @@ def extract(owner: fx.GraphModule, sub: Subgraph, class_name: str) -> tuple[fx.G
     return gm, taken
 
 
+def replace_each(
+    sch: Schedule,
+    subgraph: Any,
+    primitive: str,
+    name: str,
+    class_name: str,
+    make: Callable[[fx.GraphModule, Schedule], nn.Module],
+) -> list[str]:
+    """Cut each subgraph out into a ``GraphModule`` ``gm`` and call ``make(gm, owner)`` in its
+    place (``owner``: the schedule whose graph held it); returns the new modules' names.
+
+    Example:
+        >>> replace_each(sch, sch.find(pattern), "fuse", "Fused", "Fused", lambda gm, owner: gm)
+        ['Fused']
+    """
+    names = []
+    for sub in normalize(sch, subgraph, primitive):
+        owner = owner_of(sch, [sub], primitive)
+        check_closed(sub, primitive)
+        gm, inputs = extract(owner.mod, sub, class_name)
+        names.append(substitute(owner, [sub], make(gm, owner), name, inputs))
+    return names
+
+
 def _copy_module(holder: nn.Module, path: str, mod: nn.Module) -> None:
     parts = path.split(".")
     for part in parts[:-1]:
@@ -133,16 +163,6 @@ def _copy_module(holder: nn.Module, path: str, mod: nn.Module) -> None:
 
 def _safe(name: str) -> str:
     return re.sub(r"\W", "_", name)
-
-
-def unique_name(owner: nn.Module, name: str) -> str:
-    base = _safe(name) or "subgraph"
-    if not hasattr(owner, base):
-        return base
-    i = 0
-    while hasattr(owner, f"{base}_{i}"):
-        i += 1
-    return f"{base}_{i}"
 
 
 def substitute(
@@ -170,7 +190,7 @@ def substitute(
             f"the subgraphs read {', '.join(a.name for a in late)}, computed after they start; "
             "they cannot be replaced by one call"
         )
-    name = unique_name(gm, name)
+    name = unique_name(gm, name or "subgraph")
     gm.add_submodule(name, module)
     with graph.inserting_before(first):
         if any(a.op == "get_attr" for a in arg_nodes):

@@ -1,8 +1,8 @@
 """``sync`` and ``hook``: run an op on a module's input, output, or input gradient.
 
-``sync`` applies a *tensor op*, either a registered collective such as ``"all_reduce"`` (see
-:func:`register_sync_op`; the tensor-parallel package registers them) or a user function
-``fn(tensor, **kwargs) -> tensor``, at one of three points:
+``sync`` applies a *tensor op*, either a registered collective such as ``"all_reduce"`` (the sync
+ops live in ``slapo.sharding.sync_ops``; :func:`~slapo.sharding.sync_ops.register_sync_op` adds
+more) or a user function ``fn(tensor, **kwargs) -> tensor``, at one of three points:
 
 * ``fwd_pre``: on the module's main input before forward;
 * ``fwd_post``: on the module's main output after forward;
@@ -15,92 +15,23 @@ transformers 5 calls its layers with ``hidden_states=``), the first of the usual
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
 from torch import nn
 
 from ..exceptions import PrimitiveError, SlapoError
-from .base import Primitive, register_primitive
+from ..schedule import Primitive, Schedule, register_primitive
+from ..sharding.rules import apply_after_sync
+from ..sharding.sync_ops import (
+    SYNC_OPS,
+    on_grad,
+    primary_input,
+    replace_primary_output,
+    sync_group,
+)
+from ..surgery import label
 
-if TYPE_CHECKING:
-    from ..schedule import Schedule
-
-__all__ = ["register_sync_op", "SYNC_OPS", "primary_input", "replace_primary_output"]
-
-SyncOp = Callable[..., torch.Tensor]
-SYNC_OPS: dict[str, SyncOp] = {}
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
-_INPUT_KEYWORDS = ("hidden_states", "input", "x", "inputs_embeds", "input_ids")
-
-
-def register_sync_op(name: str, op: SyncOp, override: bool = False) -> None:
-    """Register ``op(tensor, group=..., **kwargs) -> tensor`` as ``sync(sync_op_or_fn=name)``."""
-    if name in SYNC_OPS and not override:
-        raise SlapoError(f"sync op '{name}' is already registered")
-    SYNC_OPS[name] = op
-
-
-def primary_input(
-    args: tuple, kwargs: dict[str, Any]
-) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple[tuple, dict[str, Any]]]]:
-    """The module's main input tensor and a function that puts a new one in its place."""
-    if args and isinstance(args[0], torch.Tensor):
-        return args[0], lambda t: ((t, *args[1:]), kwargs)
-    keys = [k for k in _INPUT_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor)]
-    keys = keys or [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    if not keys:
-        return None, lambda t: (args, kwargs)
-    key = keys[0]
-    return kwargs[key], lambda t: (args, {**kwargs, key: t})
-
-
-def replace_primary_output(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to the main tensor of a module output (a tensor, tuple, list or dict)."""
-    if isinstance(output, torch.Tensor):
-        return fn(output)
-    if type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor):
-        return type(output)([fn(output[0]), *output[1:]])
-    if isinstance(output, dict) and output:
-        key = next(iter(output))
-        if isinstance(output[key], torch.Tensor):
-            output[key] = fn(output[key])
-            return output
-    raise SlapoError(
-        f"sync(mode='fwd_post') found no tensor in the module output of type {type(output).__name__}"
-    )
-
-
-class _GradOp(torch.autograd.Function):
-    """Identity in forward; applies ``fn`` to the gradient in backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        ctx.fn = fn
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.fn(grad), None
-
-
-def _sync_group(sch: Schedule) -> Any:
-    """The schedule's group, checked against the group its sharded parameters use."""
-    from ..sharding.groups import resolve_group, same_group
-    from ..sharding.spec import get_shard_spec
-
-    path = sch.path or "<root>"
-    group = resolve_group(sch.group, path)
-    for name, param in sch.mod.named_parameters():
-        spec = get_shard_spec(param)
-        if spec is not None and not same_group(spec.group, group):
-            raise PrimitiveError(
-                f'sync on "{path}": the group does not match the one "{name}" was sharded over '
-                f"(size {spec.world}); schedule both with the same group"
-            )
-    return group
 
 
 def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, Any]) -> Callable:
@@ -111,10 +42,10 @@ def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, 
         if op is None:
             known = ", ".join(sorted(SYNC_OPS)) or "(none registered)"
             raise PrimitiveError(
-                f'sync on "{sch.path or "<root>"}": unknown op "{sync_op_or_fn}"; known ops: '
+                f'sync on "{label(sch.path)}": unknown op "{sync_op_or_fn}"; known ops: '
                 f"{known}; or pass a function tensor -> tensor"
             )
-        group = _sync_group(sch)
+        group = sync_group(sch.group, sch.mod, label(sch.path))
         return lambda t: op(t, group=group, **kwargs)
     raise PrimitiveError(
         f'sync on "{sch.path}": sync_op_or_fn must be an op name or a callable, got {sync_op_or_fn!r}'
@@ -126,7 +57,7 @@ class SyncPrimitive(Primitive):
     """Run a collective or a function on the module's input, output or input gradient.
 
     ``mode`` is ``"fwd_pre"``, ``"fwd_post"`` or ``"bwd_post"``; ``sync_op_or_fn`` a registered op
-    name (``slapo.primitives.sync.SYNC_OPS``) or ``fn(tensor, **kwargs) -> tensor``.
+    name (``slapo.sharding.sync_ops.SYNC_OPS``) or ``fn(tensor, **kwargs) -> tensor``.
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
@@ -144,14 +75,12 @@ class SyncPrimitive(Primitive):
     ) -> None:
         if mode not in SYNC_MODES:
             raise PrimitiveError(
-                f'sync on "{sch.path or "<root>"}": unknown mode "{mode}"; use one of {SYNC_MODES}'
+                f'sync on "{label(sch.path)}": unknown mode "{mode}"; use one of {SYNC_MODES}'
             )
         op = _resolve_op(sch, sync_op_or_fn, kwargs)
-        path = sch.path or "<root>"
+        path = label(sch.path)
 
         if mode == "fwd_post":
-            from ..sharding.rules import apply_after_sync
-
             # A row-parallel layer adds its bias only once the partial sums are reduced.
             sch.mod.register_forward_hook(
                 lambda mod, args, out: replace_primary_output(
@@ -170,7 +99,7 @@ class SyncPrimitive(Primitive):
                 return put(op(tensor))
             if not tensor.requires_grad:  # no gradient will flow back through this input
                 return args, kw
-            return put(_GradOp.apply(tensor, op))
+            return put(on_grad(tensor, op))
 
         sch.mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
@@ -206,5 +135,5 @@ class HookPrimitive(Primitive):
             sch.mod.register_full_backward_hook(func)
         else:
             raise PrimitiveError(
-                f'hook on "{sch.path or "<root>"}": unknown mode "{mode}"; use one of {SYNC_MODES}'
+                f'hook on "{label(sch.path)}": unknown mode "{mode}"; use one of {SYNC_MODES}'
             )

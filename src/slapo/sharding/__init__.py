@@ -1,10 +1,10 @@
 """Tensor parallelism: shard specs, per-layer rules, autograd collectives, reshard specs,
 vocabulary-parallel embedding and cross-entropy, and sequence-parallel helpers.
 
-Importing this package registers the collectives and reshard specs as ``sync`` ops.
+Importing this package registers the collectives and reshard specs as ``sync`` ops (``sync_ops``).
 """
 
-from . import collectives, reshard  # noqa: F401  (registers the sync ops)
+from . import sync_ops  # noqa: F401  (registers the sync ops)
 from .collectives import (
     CollectiveError,
     all_gather,

@@ -1,4 +1,4 @@
-"""Autograd-correct collectives for tensor parallelism, registered as ``sync`` ops.
+"""Autograd-correct collectives for tensor parallelism (``sync_ops`` registers them as ``sync`` ops).
 
 Each op is a ``torch.autograd.Function`` whose backward is the matching collective, with the
 convention of Megatron-style tensor parallelism: the loss is computed identically on every rank of
@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from ..exceptions import SlapoError
-from ..primitives.sync import register_sync_op
 from .groups import describe_group, resolve_group
 
 __all__ = [
@@ -40,6 +39,7 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "count_collectives",
+    "run_collective",
 ]
 
 _COUNTERS: list[Counter] = []
@@ -79,7 +79,13 @@ def _record(phase: str, op: str) -> None:
         counter[(phase, op)] += 1
 
 
-def _run(op: str, group: dist.ProcessGroup | None, fn: Callable[[], Any]) -> None:
+def run_collective(op: str, group: dist.ProcessGroup | None, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` (one collective call); a backend failure becomes a :class:`CollectiveError`
+    naming ``op``, the group and this rank. The process group's timeout bounds the wait.
+
+    Example:
+        >>> run_collective("all_reduce", None, lambda: dist.all_reduce(t))  # doctest: +SKIP
+    """
     try:
         fn()
     except (RuntimeError, dist.DistBackendError) as err:
@@ -106,7 +112,7 @@ def _check_divisible(t: torch.Tensor, dim: int, world: int, op: str) -> None:
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None, phase: str) -> torch.Tensor:
     out = t.contiguous().clone()
     _record(phase, "all_reduce")
-    _run("all_reduce", group, lambda: dist.all_reduce(out, group=group))
+    run_collective("all_reduce", group, lambda: dist.all_reduce(out, group=group))
     return out
 
 
@@ -117,7 +123,9 @@ def _all_gather(
     front = t.movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
     _record(phase, "all_gather")
-    _run("all_gather", group, lambda: dist.all_gather_into_tensor(out, front, group=group))
+    run_collective(
+        "all_gather", group, lambda: dist.all_gather_into_tensor(out, front, group=group)
+    )
     return out.movedim(0, dim).contiguous()
 
 
@@ -129,7 +137,9 @@ def _reduce_scatter(
     front = t.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     _record(phase, "reduce_scatter")
-    _run("reduce_scatter", group, lambda: dist.reduce_scatter_tensor(out, front, group=group))
+    run_collective(
+        "reduce_scatter", group, lambda: dist.reduce_scatter_tensor(out, front, group=group)
+    )
     return out.movedim(0, dim).contiguous()
 
 
@@ -228,12 +238,3 @@ def scatter(tensor: torch.Tensor, group: Any = None, dim: int = -1) -> torch.Ten
         >>> y = scatter(torch.arange(4.0), dim=0)  # rank 0: tensor([0., 1.])
     """
     return _Scatter.apply(tensor, resolve_group(group), dim)
-
-
-for _name, _op in {
-    "all_reduce": all_reduce,
-    "all_gather": all_gather,
-    "reduce_scatter": reduce_scatter,
-    "scatter": scatter,
-}.items():
-    register_sync_op(_name, _op, override=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..exceptions import SlapoError
 
@@ -28,8 +29,6 @@ def resolve_group(group: Any, where: str = "") -> dist.ProcessGroup | None:
         )
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             names = group.mesh_dim_names or ()

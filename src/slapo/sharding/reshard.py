@@ -3,9 +3,9 @@
 A spec names the placement of the tensor's last dimensions before and after the arrow, one letter
 per dimension: ``R`` replicated, ``S`` sharded over the group. For a ``[batch, seq, hidden]``
 activation a two-letter spec covers ``(seq, hidden)``: ``"RS->SR"`` turns a hidden-sharded tensor
-(the output of a column-parallel layer) into a sequence-sharded one. Every two-letter spec is
-registered as a ``sync`` op; gradients follow the reverse path (a gathered dimension is split
-back, a split one gathered), as for a replicated loss.
+(the output of a column-parallel layer) into a sequence-sharded one. Every two-letter spec
+(:data:`SPECS`) is a ``sync`` op (``sync_ops`` registers them); gradients follow the reverse path
+(a gathered dimension is split back, a split one gathered), as for a replicated loss.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from typing import Any
 import torch
 
 from ..exceptions import SlapoError
-from ..primitives.sync import register_sync_op
 from .collectives import all_gather, scatter
 
-__all__ = ["reshard", "parse_spec"]
+__all__ = ["reshard", "parse_spec", "SPECS"]
+
+_TWO_DIMS = ["".join(p) for p in itertools.product("RS", repeat=2)]
+# Every two-letter spec that changes something: "RR->RS", ..., "SS->SR".
+SPECS = tuple(f"{a}->{b}" for a, b in itertools.product(_TWO_DIMS, repeat=2) if a != b)
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -63,19 +66,3 @@ def reshard(tensor: torch.Tensor, spec: str, group: Any = None) -> torch.Tensor:
         if a == "R" and b == "S":
             tensor = scatter(tensor, group=group, dim=dim)
     return tensor
-
-
-def _register() -> None:
-    for src, dst in itertools.product(
-        ["".join(p) for p in itertools.product("RS", repeat=2)], repeat=2
-    ):
-        if src != dst:
-            spec = f"{src}->{dst}"
-
-            def op(tensor: torch.Tensor, group: Any = None, _spec: str = spec) -> torch.Tensor:
-                return reshard(tensor, _spec, group=group)
-
-            register_sync_op(spec, op, override=True)
-
-
-_register()

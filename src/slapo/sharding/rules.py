@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..exceptions import PrimitiveError
-from ..primitives.wrapping import forward_wraps, wrap_forward
+from ..surgery import forward_wraps, is_conv1d, wrap_forward
 from .spec import ShardSpec
 
 __all__ = ["apply_rule", "apply_after_sync", "ORIG_ATTRS"]
@@ -160,10 +160,6 @@ def _norm(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
         _set_attrs(mod, hidden_size=_local(spec))
 
 
-def _is_conv1d(mod: nn.Module) -> bool:
-    return type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and hasattr(mod, "nx")
-
-
 def _is_norm(mod: nn.Module) -> bool:
     norm_types = (nn.LayerNorm, nn.RMSNorm)
     return isinstance(mod, norm_types) or type(mod).__name__.endswith(("RMSNorm", "LayerNorm"))
@@ -177,7 +173,7 @@ def find_rule(mod: nn.Module) -> Rule | None:
         return _embedding
     if isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
         return _convnd
-    if _is_conv1d(mod):
+    if is_conv1d(mod):
         return _conv1d
     if _is_norm(mod):
         return _norm

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .collectives import _record, _run
+from .collectives import _record, run_collective
 from .groups import resolve_group
+from .spec import get_shard_spec
 
 __all__ = ["mark_sequence_parallel", "allreduce_sequence_parallel_grads", "SP_TAG"]
 
@@ -37,8 +38,6 @@ def mark_sequence_parallel(module: nn.Module) -> None:
     Example:
         >>> mark_sequence_parallel(model.transformer.h[0].ln_1)
     """
-    from .spec import get_shard_spec
-
     for param in module.parameters():
         if get_shard_spec(param) is None:  # sharded parameters have full gradients already
             setattr(param, SP_TAG, True)
@@ -58,7 +57,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group: Any = None) -> in
     pg = resolve_group(group)
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     _record("bwd", "all_reduce")
-    _run("all_reduce", pg, lambda: dist.all_reduce(flat, group=pg))
+    run_collective("all_reduce", pg, lambda: dist.all_reduce(flat, group=pg))
     offset = 0
     for p in params:
         n = p.grad.numel()

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .collectives import run_collective
+
 __all__ = ["ShardSpec", "get_shard_spec", "SPEC_ATTR"]
 
 # The attribute a sharded parameter carries; ``materialize_module`` keeps parameter attributes.
@@ -77,11 +79,11 @@ class ShardSpec:
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """All-gather the shards over the group and assemble the full tensor (no autograd)."""
-        from .collectives import _run
-
         local = local.detach().contiguous()
         shards = [torch.empty_like(local) for _ in range(self.world)]
-        _run("all_gather", self.group, lambda: dist.all_gather(shards, local, group=self.group))
+        run_collective(
+            "all_gather", self.group, lambda: dist.all_gather(shards, local, group=self.group)
+        )
         return self.assemble(shards)
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..exceptions import SlapoError
-from .collectives import _record, _run
+from .collectives import _record, run_collective
 from .groups import resolve_group
 
 __all__ = ["vocab_parallel_cross_entropy"]
@@ -35,7 +35,9 @@ class _VocabParallelCE(torch.autograd.Function):
             logits[..., max(valid_cols, 0) :] = float("-inf")
         row_max = logits.max(dim=-1).values
         _record("fwd", "all_reduce")
-        _run("all_reduce", group, lambda: dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group))
+        run_collective(
+            "all_reduce", group, lambda: dist.all_reduce(row_max, dist.ReduceOp.MAX, group=group)
+        )
         shifted = logits - row_max.unsqueeze(-1)
 
         inside = (target >= start) & (target < start + local)
@@ -45,7 +47,7 @@ class _VocabParallelCE(torch.autograd.Function):
         exp = shifted.exp()
         sums = torch.stack([exp.sum(dim=-1), picked])
         _record("fwd", "all_reduce")
-        _run("all_reduce", group, lambda: dist.all_reduce(sums, group=group))
+        run_collective("all_reduce", group, lambda: dist.all_reduce(sums, group=group))
         sum_exp, target_logit = sums[0], sums[1]
         loss = sum_exp.log() - target_logit
 

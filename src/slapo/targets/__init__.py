@@ -1,13 +1,33 @@
 """Build targets ("framework dialects"): how a schedule becomes something that trains.
 
-Each target registers classes by ``(cls_type, target)``; ``build`` asks for the
-``"runtime_engine"`` of the requested target. Later targets (ddp, fsdp, pipeline, roundpipe,
-deepspeed) register themselves the same way.
+Each target registers its builder by name (:func:`register_target`); ``slapo.build`` calls the
+builder of the requested target. Every target honours one training-loop contract, stated in
+:mod:`slapo.targets.contract`::
+
+    model, optimizer = slapo.build(sch, target=..., optimizer=torch.optim.AdamW)
+    loss = slapo.train_step(model, batch)   # forward and backward of one batch
+    optimizer.step(); optimizer.zero_grad()
+
+:mod:`slapo.targets.common` holds what the targets share (optimizers, process groups, blocks).
 """
 
 from __future__ import annotations
 
-from . import ddp, deepspeed, eager, fsdp, pipeline, roundpipe  # noqa: E402,F401,I001  (registration)
-from .registry import get_dialect_cls, init_target_engine, list_targets, register_dialect
+from . import ddp, deepspeed, eager, fsdp, pipeline, roundpipe  # noqa: F401  (registration)
+from .contract import train_step
+from .registry import (
+    get_dialect_cls,
+    get_target,
+    init_target_engine,
+    list_targets,
+    register_target,
+)
 
-__all__ = ["get_dialect_cls", "init_target_engine", "list_targets", "register_dialect"]
+__all__ = [
+    "get_dialect_cls",
+    "get_target",
+    "init_target_engine",
+    "list_targets",
+    "register_target",
+    "train_step",
+]

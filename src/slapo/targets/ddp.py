@@ -5,64 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..exceptions import TargetError
-from .eager import OptimizerSpec, make_optimizer
-from .registry import register_dialect
+from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
+from .registry import register_target
 
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from ..schedule import Schedule
 
-__all__ = ["build_ddp", "require_distributed", "as_process_group", "as_device_mesh"]
+__all__ = ["build_ddp"]
 
 
-def require_distributed(target: str) -> None:
-    """Raise a :class:`TargetError` naming ``target`` when no process group is running."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise TargetError(
-            f'target "{target}" needs torch.distributed: call slapo.env.setup() (or '
-            "torch.distributed.init_process_group) in every process first"
-        )
-
-
-def as_process_group(group: Any, target: str) -> dist.ProcessGroup | None:
-    """The process group of ``group``: a ProcessGroup, a 1-D DeviceMesh, or None (the world)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if group is None or isinstance(group, dist.ProcessGroup):
-        return group
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            names = group.mesh_dim_names or ("dp",)
-            raise TargetError(
-                f'target "{target}": group= got a {group.ndim}-D DeviceMesh; pass the '
-                f"data-parallel dimension of it, e.g. mesh[{names[0]!r}]"
-            )
-        return group.get_group()
-    raise TargetError(
-        f'target "{target}": group= takes a ProcessGroup or a 1-D DeviceMesh, got '
-        f"{type(group).__name__}"
-    )
-
-
-def as_device_mesh(group: Any, target: str, device_type: str) -> DeviceMesh:
-    """A 1-D DeviceMesh over ``group`` (None: every rank), as FSDP2 wants one."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    if isinstance(group, DeviceMesh):
-        as_process_group(group, target)  # validates that it is 1-D
-        return group
-    pg = as_process_group(group, target)
-    if pg is None:
-        return init_device_mesh(device_type, (dist.get_world_size(),))
-    return DeviceMesh.from_group(pg, device_type)
-
-
-@register_dialect("runtime_engine", "ddp")
+@register_target("ddp")
 def build_ddp(
     sch: Schedule,
     device: torch.device | str | None = None,
@@ -80,7 +35,7 @@ def build_ddp(
     Example:
         >>> slapo.env.setup()
         >>> model, opt = slapo.build(sch, target="ddp", optimizer=torch.optim.AdamW)
-        >>> model(**batch_slice_of_this_rank).loss.backward(); opt.step()
+        >>> loss = slapo.train_step(model, batch_slice_of_this_rank); opt.step(); opt.zero_grad()
     """
     require_distributed("ddp")
     pg = as_process_group(group, "ddp")

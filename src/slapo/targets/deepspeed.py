@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from ..exceptions import TargetError
-from .ddp import require_distributed
-from .eager import OptimizerSpec, make_optimizer
-from .registry import register_dialect
+from .common import OptimizerSpec, make_optimizer, require_distributed
+from .registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -23,7 +22,7 @@ __all__ = ["build_deepspeed"]
 
 def _import_deepspeed() -> Any:
     try:
-        import deepspeed
+        import deepspeed  # deferred: optional and heavy; asking for the target says how to get it
     except ImportError as exc:
         raise TargetError(
             'target "deepspeed" needs DeepSpeed, which is not installed: pip install deepspeed '
@@ -32,7 +31,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-@register_dialect("runtime_engine", "deepspeed")
+@register_target("deepspeed")
 def build_deepspeed(
     sch: Schedule,
     config: dict[str, Any] | None = None,

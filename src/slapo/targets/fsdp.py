@@ -10,32 +10,22 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..logger import get_logger
-from .ddp import as_device_mesh, require_distributed
-from .eager import OptimizerSpec, make_optimizer
-from .registry import register_dialect
+from .common import (
+    OptimizerSpec,
+    as_device_mesh,
+    default_blocks,
+    make_optimizer,
+    require_distributed,
+)
+from .registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-__all__ = ["build_fsdp", "default_blocks"]
+__all__ = ["build_fsdp"]
 
 
-def default_blocks(sch: Schedule) -> list[str]:
-    """The paths of every block in a list of layers (``transformer.h.0``, ...), pre-order.
-
-    Example:
-        >>> default_blocks(slapo.create_schedule(gpt2))
-        ['transformer.h.0', 'transformer.h.1']
-    """
-    blocks = []
-    for path, child in sch.named_schedules():
-        if child.parent is not None and child.parent.is_module_list:
-            if not any(path.startswith(b + ".") for b in blocks):
-                blocks.append(path)
-    return blocks
-
-
-@register_dialect("runtime_engine", "fsdp")
+@register_target("fsdp")
 def build_fsdp(
     sch: Schedule,
     device: torch.device | str | None = None,
@@ -54,7 +44,7 @@ def build_fsdp(
         group: a ProcessGroup or 1-D DeviceMesh; with tensor parallelism on a 2-D mesh pass
             ``mesh["dp"]``.
         wrap: the paths sharded as units of their own (default: the blocks of every layer list,
-            see :func:`default_blocks`); the root is always sharded last.
+            see :func:`slapo.targets.common.default_blocks`); the root is always sharded last.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; or give the shorthands
             ``param_dtype=`` / ``reduce_dtype=``.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them
@@ -67,6 +57,7 @@ def build_fsdp(
         >>> model, opt = slapo.build(sch, target="fsdp", optimizer=torch.optim.AdamW,
         ...                          param_dtype=torch.bfloat16)
     """
+    # deferred: FSDP2 loads torch.distributed.tensor (0.65 s), which `import slapo` does not need
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     require_distributed("fsdp")

@@ -16,16 +16,22 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..exceptions import TargetError
 from ..logger import get_logger
 from ..pipeline import TiedGradSync, find_tie_groups, format_table, partition_model, stage_table
 from ..pipeline.failure import FailTogether
 from ..primitives.cut_pipeline_stage import pipeline_cuts
-from .ddp import require_distributed
-from .eager import OptimizerSpec, make_optimizer
-from .fsdp import default_blocks
-from .registry import register_dialect
+from .common import (
+    OptimizerSpec,
+    default_blocks,
+    default_device,
+    make_optimizer,
+    require_distributed,
+)
+from .contract import TARGET_KEY, Batch, split_batch
+from .registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -39,10 +45,14 @@ _V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
 class PipelineEngine:
     """This rank's part of a pipeline: its stage module(s) and the torch schedule running them.
 
+    It honours the training-loop contract (:mod:`slapo.targets.contract`) with its own
+    :meth:`train_step`; :meth:`step` takes the inputs and the target apart.
+
     Example:
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="1F1B",
         ...                           num_microbatches=4, loss_fn=loss, example_inputs=(ids,))
-        >>> opt.zero_grad(); loss = engine.step(ids, target=labels); opt.step()
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})
+        >>> opt.step(); opt.zero_grad()
     """
 
     def __init__(
@@ -56,6 +66,7 @@ class PipelineEngine:
         input_shapes: list[torch.Size],
         num_microbatches: int,
         fail: FailTogether,
+        input_names: tuple[str, ...] = (),
     ) -> None:
         self.schedule = schedule
         self.stage_modules = modules
@@ -66,6 +77,7 @@ class PipelineEngine:
         self.table: list[Any] = []
         self._ties = ties
         self._shapes = input_shapes
+        self._names = input_names
         self._fail = fail
         self.is_first = 0 in modules
         self.is_last = num_stages - 1 in modules
@@ -96,6 +108,28 @@ class PipelineEngine:
             src = self.stage_to_rank[self.num_stages - 1]
             dist.broadcast(loss, group=self.group, group_src=src)
         return loss
+
+    def train_step(self, batch: Batch) -> torch.Tensor:
+        """One forward and backward of ``batch``, as :func:`slapo.train_step` runs it.
+
+        A mapping batch gives the traced inputs by the forward's parameter names (e.g.
+        ``input_ids``) and the target as ``labels``; a tuple is ``(inputs..., target)``. Returns
+        :meth:`step`'s loss.
+
+        Example:
+            >>> loss = engine.train_step({"input_ids": ids, "labels": labels})
+        """
+        args, kwargs, target = split_batch(batch, with_target=True)
+        named = self._names[len(args) :]
+        extra = sorted(set(kwargs) - set(named))
+        if extra:
+            raise TargetError(
+                f"pipeline: the batch has {extra}, but the stages were traced on the forward's "
+                f"{list(self._names)} (example_inputs=) plus the target {TARGET_KEY!r}: drop them "
+                "from the batch (constant arguments go to forward_kwargs= at build)"
+            )
+        inputs = (*args, *(kwargs[n] for n in named if n in kwargs))
+        return self.step(*inputs, target=target)
 
     def _check_inputs(self, inputs: tuple) -> None:
         shapes = [tuple(x.shape) for x in inputs]
@@ -133,7 +167,7 @@ class PipelineEngine:
         return self.train(False)
 
 
-@register_dialect("runtime_engine", "pipeline")
+@register_target("pipeline")
 def build_pipeline(
     sch: Schedule,
     schedule: str = "1F1B",
@@ -173,8 +207,10 @@ def build_pipeline(
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="GPipe", num_microbatches=2,
         ...     loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
         ...     example_inputs=(ids,), optimizer=torch.optim.AdamW)
-        >>> loss = engine.step(ids, target=ids)
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})
+        >>> opt.step(); opt.zero_grad()    # engine.step(ids, target=ids) is the same step
     """
+    # deferred: torch.distributed.pipelining takes 0.4 s to import; only this target uses it
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -212,7 +248,7 @@ def build_pipeline(
     v_style = schedule.lower() in _V_SCHEDULES
     stage_to_rank = [_rank_of_stage(s, pp_size, num_stages, v_style) for s in range(num_stages)]
     pp_rank = dist.get_rank(pp_group) if pp_group is not None else dist.get_rank()
-    dev = torch.device(device) if device is not None else _default_device()
+    dev = torch.device(device) if device is not None else default_device()
     local = {s: part.stages[s].to(dev) for s in range(num_stages) if stage_to_rank[s] == pp_rank}
     stages = [PipelineStage(mod, s, num_stages, dev, group=pp_group) for s, mod in local.items()]
     try:
@@ -236,6 +272,7 @@ def build_pipeline(
         [x.shape for x in inputs],
         num_microbatches,
         FailTogether(stages_of_rank, timeout),
+        _positional_names(model, len(inputs)),
     )
     engine.table = stage_table(part.stages, default_blocks(sch), stage_to_rank)
     if dist.get_rank() == 0:
@@ -286,10 +323,15 @@ def _forward_kwargs(model: nn.Module, given: dict[str, Any] | None) -> dict[str,
     return {"use_cache": False} if "use_cache" in params else {}
 
 
+def _positional_names(model: nn.Module, count: int) -> tuple[str, ...]:
+    """The names of the forward's first ``count`` positional parameters (``input_ids``, ...)."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = inspect.signature(model.forward).parameters.values()
+    return tuple(p.name for p in params if p.kind in kinds)[:count]
+
+
 def _pp_groups(group: Any) -> tuple[dist.ProcessGroup | None, list[list[int]]]:
     """This rank's pipeline group and the global ranks of every pipeline group."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if group is None:
         return None, [list(range(dist.get_world_size()))]
     if not isinstance(group, DeviceMesh):
@@ -336,9 +378,3 @@ def _stages_of_rank(pp_groups: list[list[int]], stage_to_rank: list[int]) -> dic
         for stage, pp_rank in enumerate(stage_to_rank):
             out.setdefault(ranks[pp_rank], []).append(stage)
     return out
-
-
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

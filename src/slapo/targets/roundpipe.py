@@ -14,16 +14,17 @@ import torch
 from torch import nn
 
 from ..exceptions import TargetError
-from .eager import OptimizerSpec, make_optimizer
-from .registry import register_dialect
+from ..primitives.cut_pipeline_stage import pipeline_cuts
+from .common import OptimizerSpec, make_optimizer
+from .registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
 
-_CUT = "cut_pipeline_stage"
+__all__ = ["build_roundpipe", "stage_plan"]
 
 
-@register_dialect("runtime_engine", "roundpipe")
+@register_target("roundpipe")
 def build_roundpipe(
     sch: Schedule,
     num_microbatch: int | None = None,
@@ -38,7 +39,8 @@ def build_roundpipe(
 
     The optimizer is a ``roundpipe.optim.RoundPipeOptimizer`` around ``optimizer`` created over
     RoundPipe's optimizer copies (``model.optim_parameters()``), so the ordinary loop
-    (``loss.backward(); opt.step(); opt.zero_grad()``, lr schedulers, state dicts) trains the
+    (``loss.backward(); opt.step(); opt.zero_grad()``, lr schedulers, state dicts) and the
+    training-loop contract (``slapo.train_step(model, batch)``, then the optimizer) train the
     model; the inner optimizer is ``opt.optimizer``.
 
     Args:
@@ -61,6 +63,7 @@ def build_roundpipe(
         >>> opt.step()
         >>> opt.zero_grad()
     """
+    # deferred: `import slapo` does not start the RoundPipe runtime (its C++ optimizer, threads)
     import roundpipe
     from roundpipe.optim import RoundPipeOptimizer
 
@@ -75,7 +78,7 @@ def build_roundpipe(
     model = roundpipe.wrap_model_to_roundpipe(
         root, layers=layers, model_run_config=run_config, pin_model=pin_model, **roundpipe_kwargs
     )
-    cuts = [r.path for r in sch.metadata.primitives if r.name == _CUT]
+    cuts = pipeline_cuts(sch)
     if cuts:
         if run_config.execute_plan is not None:
             raise TargetError(
@@ -100,8 +103,13 @@ def build_roundpipe(
 
 
 def stage_plan(layers: list[nn.Module], cuts: list[tuple[str, nn.Module]]) -> Any:
-    """A RoundPipe plan whose stages end after the layers holding the cut modules."""
-    import roundpipe
+    """A RoundPipe plan whose stages end after the layers holding the cut modules.
+
+    Example:
+        >>> stage_plan(list(seq), [("1", seq[1])]).fwd_plan   # 5 layers, a cut after layer 1
+        [range(0, 2), range(2, 5)]
+    """
+    import roundpipe  # deferred: as in build_roundpipe
 
     ends = sorted({_layer_index(layers, path, module) for path, module in cuts})
     if ends[-1] == len(layers) - 1:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .database import Database, DatabaseCorruptError
+from .report import best_table, plot_search
 from .space import Space, UpdateSpaceFn
 from .strategies import STRATEGIES
 from .tuner import DIRECTIONS, TuneError, Tuner, default_plot_path
@@ -202,8 +203,6 @@ def run_tune(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 128 + signum
-    from .report import best_table, plot_search
-
     maximize = args.direction == "maximize"
     print(
         best_table(records, tuner.value, objective=args.objective, maximize=maximize, top=args.top)

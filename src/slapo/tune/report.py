@@ -70,7 +70,7 @@ def plot_search(
 ) -> bool:
     """Save a PNG of every trial's objective and the best so far; False if matplotlib is
     missing (with a warning) instead of failing the run."""
-    try:
+    try:  # deferred: matplotlib takes ~0.5 s to import and only the plot needs it
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:

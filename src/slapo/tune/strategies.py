@@ -12,6 +12,9 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
+
+from .model import GaussianProcess, encode, expected_improvement, feasibility
 from .space import Value
 
 Scores = Mapping[int, float | None]
@@ -94,18 +97,12 @@ class ModelGuided(Strategy):
         self, configs: Sequence[Mapping[str, Value]], seed: int = 0, n_init: int | None = None
     ) -> None:
         super().__init__(configs, seed)
-        from .model import encode  # torch is imported only when this strategy is used
-
         self.x = encode(self.configs)
         n = len(self.configs)
         self.n_init = n_init if n_init is not None else max(3, min(8, math.ceil(0.02 * n)))
         self.rng = random.Random(seed)
 
     def propose(self, scores: Scores) -> int | None:
-        import torch
-
-        from .model import GaussianProcess, expected_improvement, feasibility
-
         todo = self._unmeasured(scores)
         if not todo:
             return None

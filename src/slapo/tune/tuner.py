@@ -13,6 +13,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
+from ..exceptions import SlapoError
 from .database import Database
 from .space import Space, Value, config_key
 from .strategies import STRATEGIES, make_strategy
@@ -22,7 +25,7 @@ DIRECTIONS = ("maximize", "minimize")
 logger = logging.getLogger("slapo.tune")
 
 
-class TuneError(RuntimeError):
+class TuneError(SlapoError, RuntimeError):
     """A tuning run cannot start or go on (empty space, bad options, ...)."""
 
 
@@ -182,8 +185,6 @@ class Tuner:
                 raise
 
     def _run(self) -> list[dict[str, Any]]:
-        from tqdm.auto import tqdm
-
         scores = self._scores()
         limit = len(self.configs) if self.budget is None else min(self.budget, len(self.configs))
         todo = max(0, limit - len(scores))

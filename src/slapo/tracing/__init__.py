@@ -1,0 +1,53 @@
+"""Graph capture of one module subtree: torch.export first, torch.fx with leaves second.
+
+Slapo traces by need: only the module a static-graph primitive works on becomes a
+``torch.fx.GraphModule``. With ``flatten=False`` the hierarchy is kept: every submodule that was
+traced through becomes a ``GraphModule`` of its own under the same name, so the schedule tree (and
+paths such as ``"mlp.down_proj"``) stays the same. Parameters and buffers stay the very same
+objects, so optimizers, tied weights and checkpoints are unaffected.
+
+Mode-dependent operations are made mode-aware after capture: dropout (functional or not) and the
+dropout probability of scaled-dot-product attention follow ``module.train()``/``eval()`` as in
+the untraced module, although tracing always runs in training mode.
+
+One file per job: ``capture`` (example inputs of a submodule), ``export`` (the torch.export
+path), ``fx`` (the symbolic-trace path), ``rewrite`` (mode-aware dropout), ``inline``
+(flattening), ``leaves`` and ``errors`` (shared by both paths), ``api`` (the entry points). The
+``trace`` primitive, which binds a schedule, lives in ``slapo.primitives.trace``.
+
+Example:
+    >>> from torch import nn
+    >>> from slapo.tracing import trace_module
+    >>> gm = trace_module(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)), tracer="fx")
+    >>> type(gm).__name__
+    'Sequential'
+"""
+
+from .api import trace, trace_module
+from .capture import as_args, call_args, capture_inputs
+from .errors import LeafError, TraceError
+from .export import export_module, is_cache
+from .fx import fx_trace
+from .inline import inline_submodules
+from .leaves import Leaves, check_leaves, is_leaf
+from .rewrite import ModeDropout, TrainingOnly, make_mode_aware
+
+__all__ = [
+    "LeafError",
+    "Leaves",
+    "ModeDropout",
+    "TraceError",
+    "TrainingOnly",
+    "as_args",
+    "call_args",
+    "capture_inputs",
+    "check_leaves",
+    "export_module",
+    "fx_trace",
+    "inline_submodules",
+    "is_cache",
+    "is_leaf",
+    "make_mode_aware",
+    "trace",
+    "trace_module",
+]

@@ -1,0 +1,188 @@
+"""The torch.export path: export one module on example inputs, then unflatten the program back
+into a hierarchy of ``GraphModule``s named after the original classes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.export import Dim, export, unflatten
+from torch.utils import _pytree as pytree
+
+from ..surgery import set_submodule
+from .errors import module_stack, raise_trace_error
+from .leaves import Leaves, is_leaf
+
+__all__ = ["export_module", "is_cache"]
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers KV cache (not a pytree container; training never
+    needs one, so tracing replaces it by None).
+
+    Example:
+        >>> is_cache(torch.zeros(1)), is_cache(None)
+        (False, False)
+    """
+    return type(value).__name__.endswith("Cache") and not isinstance(value, torch.Tensor)
+
+
+class _Wrapper(nn.Module):
+    """Calls ``m`` with tensor leaves substituted into the captured argument structure.
+
+    Exporting through a wrapper (with ``m``'s call signature preserved) gives ``m`` a graph that
+    takes the original ``(args, kwargs)``; dynamic shapes are easy to state on a flat tuple.
+    """
+
+    def __init__(self, m: nn.Module, leaves: list[Any], spec: pytree.TreeSpec) -> None:
+        super().__init__()
+        self.m = m
+        self._leaves = leaves
+        self._spec = spec
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if isinstance(x, torch.Tensor) else x for x in self._leaves]
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        return self.m(*args, **kwargs)
+
+
+def export_module(
+    mod: nn.Module, args: tuple, kwargs: dict[str, Any], leaves: Leaves, path: str
+) -> fx.GraphModule:
+    """Export ``mod`` called with ``(args, kwargs)``; ``leaves`` stay calls of the original
+    modules. Every input dimension may vary; KV caches are None in the graph and at runtime.
+
+    Example:
+        >>> gm = export_module(nn.Sequential(nn.Linear(2, 2)), (torch.randn(3, 2),), {}, (), "")
+        >>> type(gm).__name__
+        'Sequential'
+    """
+    # Leaves are kept only where no ancestor is a leaf already.
+    leaf_paths = [n for n, m in mod.named_modules() if n and is_leaf(n, m, leaves)]
+    leaf_paths = [p for p in leaf_paths if not any(p.startswith(q + ".") for q in leaf_paths)]
+    traced_args = tuple(None if is_cache(a) else a for a in args)
+    traced_kwargs = {k: None if is_cache(v) else v for k, v in kwargs.items()}
+    flat, spec = pytree.tree_flatten((traced_args, traced_kwargs))
+    tensors = tuple(t for t in flat if isinstance(t, torch.Tensor))
+    # Every dimension may vary (batch, sequence); export keeps the ones the code fixes.
+    dims = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)
+    wrapper = _Wrapper(mod, flat, spec)
+    preserve = ("m", *(f"m.{p}" for p in leaf_paths))
+    with module_stack(mod) as stack, _quiet():
+        try:
+            ep = export(
+                wrapper,
+                tensors,
+                strict=False,
+                dynamic_shapes={"tensors": dims},
+                preserve_module_call_signature=preserve,
+            )
+        except Exception as exc:  # noqa: BLE001  (re-raised with the module named)
+            raise_trace_error(path, mod, "export", exc, stack[-1] if stack else "")
+    with _quiet():
+        unflat = unflatten(ep)
+    top = unflat.get_submodule("m")
+    for p in leaf_paths:  # signature preserved: the original module can be called as it was
+        set_submodule(top, p, mod.get_submodule(p))
+        _fix_leaf_calls(top, p)
+    gm = _to_graph_modules(top, mod)
+    _drop_caches_at_runtime(gm, _cache_arg_names(gm, args, kwargs))
+    return gm
+
+
+def _fix_leaf_calls(top: nn.Module, path: str) -> None:
+    """Make calls of a preserved leaf pass exactly the original ``(args, kwargs)``.
+
+    unflatten calls a preserved module with its flat graph inputs as positional arguments
+    next to the rebuilt keyword arguments; the original module must get the rebuilt ones only.
+    """
+    owner_path, _, name = path.rpartition(".")
+    owner = top.get_submodule(owner_path) if owner_path else top
+    graph = owner.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.target != name:
+            continue
+        sources = {
+            a.args[0].args[0]
+            for a in node.kwargs.values()
+            if isinstance(a, fx.Node)
+            and a.target is operator.getitem
+            and isinstance(a.args[0], fx.Node)
+            and a.args[0].target is operator.getitem
+        }
+        unflat = [
+            n for n in sources if n.op == "call_function" and n.target is pytree.tree_unflatten
+        ]
+        if not unflat:
+            continue
+        spec = getattr(owner, unflat[0].args[1].target)
+        n_pos = spec.child(0).num_children
+        with graph.inserting_before(node):
+            pos = graph.call_function(operator.getitem, (unflat[0], 0))
+            node.args = tuple(graph.call_function(operator.getitem, (pos, i)) for i in range(n_pos))
+        if not n_pos:
+            graph.erase_node(pos)
+    graph.lint()
+    if hasattr(owner, "recompile"):
+        owner.recompile()
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence export's per-dimension notes (0/1 specialization) and deprecation warnings."""
+    logger = logging.getLogger("torch._export.non_strict_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _to_graph_modules(interp: nn.Module, orig: nn.Module | None) -> nn.Module:
+    """Turn torch.export's InterpreterModules into GraphModules named after the original class."""
+    orig_children = dict(orig.named_children()) if orig is not None else {}
+    for name, child in list(interp.named_children()):
+        child_orig = orig_children.get(name)
+        if child is child_orig or getattr(child, "graph", None) is None:
+            continue  # a leaf put back, or a plain container
+        setattr(interp, name, _to_graph_modules(child, child_orig))
+    if getattr(interp, "graph", None) is None:
+        return interp
+    for node in interp.graph.nodes:
+        if node.name == "self":  # a submodule named "self" (BERT) would shadow the method's self
+            node._rename("self_out")
+    name = type(orig).__name__ if orig is not None else "GraphModule"
+    return fx.GraphModule(interp, interp.graph, class_name=name)
+
+
+def _cache_arg_names(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> set[str]:
+    names = {k for k, v in kwargs.items() if is_cache(v)}
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    names |= {placeholders[i] for i, a in enumerate(args) if is_cache(a) and i < len(placeholders)}
+    return names
+
+
+def _drop_caches_at_runtime(gm: fx.GraphModule, cache_args: set[str]) -> None:
+    """Runtime KV caches are replaced by None, as they were when the module was traced."""
+    if not cache_args:
+        return
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.target in cache_args:
+            with gm.graph.inserting_after(node):
+                new = gm.graph.call_function(_none_if_cache, (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda u, n=new: u is not n)
+    gm.recompile()
+
+
+def _none_if_cache(value: Any) -> Any:
+    return None if is_cache(value) else value

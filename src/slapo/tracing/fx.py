@@ -1,0 +1,67 @@
+"""The torch.fx path: symbolic tracing without inputs, leaves kept as calls, the hierarchy kept
+by tracing every non-leaf child into a ``GraphModule`` of its own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx, nn
+
+from ..surgery import join_path
+from .errors import module_stack, raise_trace_error
+from .leaves import Leaves, is_leaf
+
+__all__ = ["fx_trace"]
+
+
+class _LeafTracer(fx.Tracer):
+    def __init__(self, root: nn.Module, leaves: Leaves, children_are_leaves: bool) -> None:
+        super().__init__()
+        self._paths = {id(m): n for n, m in root.named_modules()}
+        self._leaves = leaves
+        self._children = {id(m) for m in root.children()} if children_are_leaves else set()
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if id(m) in self._children or is_leaf(qualname, m, self._leaves):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def fx_trace(
+    mod: nn.Module,
+    leaves: Leaves,
+    flatten: bool,
+    concrete_args: dict[str, Any] | None,
+    path: str,
+) -> fx.GraphModule:
+    """Symbolically trace ``mod``: one graph if ``flatten``, else one per traceable child.
+
+    Example:
+        >>> gm = fx_trace(nn.Sequential(nn.Sequential(nn.ReLU())), (), False, None, "")
+        >>> type(gm.get_submodule("0")).__name__, isinstance(gm.get_submodule("0"), fx.GraphModule)
+        ('Sequential', True)
+    """
+    tracer = _LeafTracer(mod, leaves, children_are_leaves=not flatten)
+    with module_stack(mod) as stack:
+        try:
+            graph = tracer.trace(mod, concrete_args=concrete_args)
+        except Exception as exc:  # noqa: BLE001  (re-raised with the module named)
+            raise_trace_error(path, mod, "fx", exc, stack[-1] if stack else "")
+    gm = fx.GraphModule(mod, graph, class_name=type(mod).__name__)
+    if flatten:
+        return gm
+    # Keep the hierarchy: trace every child that is neither a leaf nor a torch.nn built-in.
+    for name, child in list(gm.named_children()):
+        if is_leaf(name, child, leaves) or fx.Tracer().is_leaf_module(child, name):
+            continue
+        if isinstance(child, fx.GraphModule):
+            continue
+        inner = [_strip(leaf, name) for leaf in leaves]
+        setattr(gm, name, fx_trace(child, inner, False, None, join_path(path, name)))
+    return gm
+
+
+def _strip(leaf: str | type, prefix: str) -> str | type:
+    if isinstance(leaf, str) and leaf.startswith(prefix + "."):
+        return leaf[len(prefix) + 1 :]
+    return leaf

@@ -1,0 +1,80 @@
+"""Flattening: inline the graphs of traced child modules into their parent's graph."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+from torch import fx
+
+from .leaves import Leaves, is_leaf
+
+__all__ = ["inline_submodules"]
+
+
+def inline_submodules(gm: fx.GraphModule, leaves: Leaves = ()) -> fx.GraphModule:
+    """Inline every call of a child ``GraphModule`` (recursively) into ``gm``'s own graph.
+
+    Children that are leaves (or not GraphModules) stay calls. Parameters keep their owners and
+    paths, so state_dict keys do not change.
+
+    Example:
+        >>> from torch import nn
+        >>> from slapo.tracing import trace_module
+        >>> gm = trace_module(nn.Sequential(nn.Sequential(nn.Linear(2, 2))), tracer="fx")
+        >>> [n.target for n in inline_submodules(gm).graph.nodes if n.op == "call_module"]
+        ['0.0']
+    """
+    changed = True
+    while changed:
+        changed = False
+        for node in list(gm.graph.nodes):
+            if node.op != "call_module":
+                continue
+            sub = gm.get_submodule(node.target)
+            if not isinstance(sub, fx.GraphModule) or is_leaf(node.target, sub, leaves):
+                continue
+            _inline_one(gm, node, sub)
+            changed = True
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _inline_one(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule) -> None:
+    graph = gm.graph
+    prefix = call.target
+    env: dict[fx.Node, Any] = {}
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    for i, ph in enumerate(placeholders):
+        if i < len(call.args):
+            env[ph] = call.args[i]
+        elif ph.target in call.kwargs:
+            env[ph] = call.kwargs[ph.target]
+        else:
+            env[ph] = ph.args[0] if ph.args else None
+    result: Any = None
+    with graph.inserting_before(call):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                result = fx.node.map_arg(node.args[0], lambda n: env[n])
+                continue
+            new = graph.node_copy(node, lambda n: env[n])
+            if node.op in ("get_attr", "call_module"):
+                new.target = f"{prefix}.{node.target}"
+            env[node] = new
+    if isinstance(result, fx.Node) or result is None:
+        call.replace_all_uses_with(result)  # type: ignore[arg-type]
+    else:
+        # A tuple output: users index into it with getitem; forward them to the element.
+        for user in list(call.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                graph.erase_node(user)
+            else:
+                with graph.inserting_before(user):
+                    tup = graph.call_function(tuple, (list(result),))
+                user.replace_input_with(call, tup)
+    graph.erase_node(call)

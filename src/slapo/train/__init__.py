@@ -1,0 +1,50 @@
+"""The main job: train a small transformers model on the embedded corpus with a ready schedule.
+
+Run it as ``slapo train`` (or ``python -m slapo train``); ``slapo train --help`` lists the options.
+Under ``torchrun --nproc-per-node N`` it runs tensor (``--tp``), data (``--target ddp|fsdp``) or
+pipeline (``--target pipeline --num-stages N``) parallel.
+
+=============  =====================================================================
+``config``     :class:`TrainConfig`: the options; the command line is generated from it
+``presets``    the model families and sizes, their ready schedules, the causal LM loss
+``layout``     the process layout, and how the main job uses each build target
+``loop``       :class:`Runner` and :func:`train`: one loop for every target
+``memory``     :class:`PeakMemory`
+``state``      ``--save`` / ``--resume``
+``report``     ``metrics.json``, ``loss.png`` and the end-of-run table
+``cli``        ``slapo train``
+=============  =====================================================================
+
+Example:
+    >>> from slapo.train import TrainConfig, train
+    >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
+"""
+
+from __future__ import annotations
+
+from .cli import add_parser
+from .config import TARGETS, TrainConfig
+from .layout import Layout, setup_layout
+from .loop import Runner, make_batches, run_once, train
+from .memory import PeakMemory
+from .presets import MODELS, PRESETS, build_model, default_schedule
+from .report import format_summary, write_outputs
+
+__all__ = [
+    "MODELS",
+    "PRESETS",
+    "TARGETS",
+    "Layout",
+    "PeakMemory",
+    "Runner",
+    "TrainConfig",
+    "add_parser",
+    "build_model",
+    "default_schedule",
+    "format_summary",
+    "make_batches",
+    "run_once",
+    "setup_layout",
+    "train",
+    "write_outputs",
+]

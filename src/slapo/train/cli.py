@@ -1,0 +1,136 @@
+"""``slapo train``: the command line, generated from the fields of :class:`TrainConfig`.
+
+Each field becomes ``--field-name`` with the help, choices and group of its metadata; a bool
+field takes an optional value (``--fuse-ops``, ``--fuse-ops false``), or is ``--no-<name>`` when it
+defaults to True (``--no-progress``).
+
+Example:
+    >>> parser = argparse.ArgumentParser(); add_parser(parser.add_subparsers())
+    >>> parser.parse_args(["train", "--batch-size", "4"]).batch_size
+    4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import types
+from dataclasses import Field, fields
+from typing import Any, get_type_hints
+
+import torch.distributed as dist
+
+from ..exceptions import SlapoError
+from .config import TrainConfig
+from .loop import train
+from .report import format_summary
+
+__all__ = ["add_parser", "config_from_args"]
+
+HELP = "train a small transformers model on the embedded corpus with a schedule"
+DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
+ready schedule. Under torchrun --nproc-per-node N it runs tensor (--tp), data (--target ddp|fsdp)
+or pipeline (--target pipeline --num-stages N) parallel."""
+
+
+def parse_bool(text: str) -> bool:
+    """A bool flag's optional value: 1/true/yes/on or 0/false/no/off.
+
+    Example:
+        >>> parse_bool("off")
+        False
+    """
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _value_type(hint: Any) -> Any:
+    """``int`` for ``int``, ``str`` for ``str | None``: what the flag's text is parsed into."""
+    if isinstance(hint, types.UnionType):
+        (hint,) = (a for a in hint.__args__ if a is not type(None))
+    return hint
+
+
+def _add_flag(parser: Any, f: Field, hint: Any) -> None:
+    meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+    kind = _value_type(hint)
+    if kind is bool and f.default:
+        # default SUPPRESS: no "(default: True)" in the help of a flag that turns it off
+        parser.add_argument(
+            "--no-" + flag[2:],
+            dest=f.name,
+            action="store_false",
+            default=argparse.SUPPRESS,
+            help=meta["help"],
+        )
+    elif kind is bool:
+        parser.add_argument(
+            flag, type=parse_bool, nargs="?", const=True, default=f.default, help=meta["help"]
+        )
+    else:
+        parser.add_argument(
+            flag,
+            type=meta.get("parse") or kind,
+            choices=meta.get("choices"),
+            default=f.default,
+            help=meta["help"],
+        )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``slapo train`` on an argparse subparsers object.
+
+    Example:
+        >>> add_parser(argparse.ArgumentParser().add_subparsers()).prog.endswith("train")
+        True
+    """
+    p = subparsers.add_parser(
+        "train", help=HELP, description=DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    hints = get_type_hints(TrainConfig)
+    groups: dict[str, Any] = {}
+    for f in fields(TrainConfig):
+        group = f.metadata.get("group")
+        where = p if group is None else groups.setdefault(group, p.add_argument_group(group))
+        _add_flag(where, f, hints[f.name])
+    p.add_argument(
+        "--json", action="store_true",
+        help='end with one JSON line {"throughput": tokens/s, ...} (what `slapo tune` reads)',
+    )  # fmt: skip
+    p.set_defaults(func=_run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed ``slapo train`` arguments.
+
+    Example:
+        >>> config_from_args(parser.parse_args(["train", "--no-progress"])).progress
+        False
+    """
+    return TrainConfig(**{f.name: getattr(args, f.name, f.default) for f in fields(TrainConfig)})
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    try:
+        summary = train(cfg)
+    except SlapoError as exc:
+        raise SystemExit(f"slapo train: {exc}") from exc
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
+        print(format_summary(summary))
+        if args.json:
+            keys = ("final_loss", "peak_memory_mb", "tokens_per_s")
+            print(
+                json.dumps({"throughput": summary["tokens_per_s"], **{k: summary[k] for k in keys}})
+            )
+    return 0

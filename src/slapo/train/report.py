@@ -1,0 +1,107 @@
+"""What a run leaves: ``metrics.json`` and ``loss.png``, and the end-of-run table.
+
+Example:
+    >>> print(format_summary(train(TrainConfig(steps=3, progress=False))))
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["format_summary", "write_outputs"]
+
+
+def write_outputs(out: Path, summary: dict[str, Any], runs: list[dict[str, Any]]) -> Path | None:
+    """Write ``metrics.json`` (atomically, first) and then ``loss.png`` into ``out``.
+
+    Returns the plot's path, or None when it was skipped. The plot never costs a run its
+    results: without matplotlib (or if drawing fails) one line on stderr says why and how to
+    get it, and the metrics are already on disk.
+
+    Example:
+        >>> import tempfile
+        >>> out = Path(tempfile.mkdtemp())
+        >>> s = {"config": {"model": "llama", "preset": "tiny"}, "losses": [2.0, 1.5]}
+        >>> write_outputs(out, s, [{"label": "scheduled", "losses": [2.0, 1.5]}]).name
+        'loss.png'
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "metrics.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(out / "metrics.json")
+    plot = out / "loss.png"
+    try:  # deferred: matplotlib is optional, and slow to import
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(
+            f"slapo train: skipped {plot}: matplotlib is not installed (pip install matplotlib); "
+            f"the metrics are in {out / 'metrics.json'}",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        # A bare Figure on an Agg canvas: no pyplot state, no display, the caller's backend kept.
+        fig = Figure(figsize=(6, 4), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for run in runs:
+            ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=run["label"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        ax.set_title(f"slapo train: {summary['config']['model']} ({summary['config']['preset']})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plot, format="png")
+    except Exception as exc:  # noqa: BLE001  (the plot is a by-product; the metrics are safe)
+        print(
+            f"slapo train: skipped {plot}: drawing it failed ({type(exc).__name__}: {exc}); "
+            f"the metrics are in {out / 'metrics.json'}",
+            file=sys.stderr,
+        )
+        return None
+    return plot
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run table; with ``--compare``, the baseline and the scheduled run side by side."""
+    runs = [summary["baseline"], summary] if "baseline" in summary else [summary]
+    cfg = summary["config"]
+
+    def cells(run: dict[str, Any]) -> list[str]:
+        return [
+            f"{run['parameters']:,}",
+            str(run["checkpointed_layers"]),
+            f"{run['first_loss']:.3f} -> {run['final_loss']:.3f}",
+            f"{run['tokens_per_s']:,.0f}",
+            f"{run['peak_memory_mb']:,.1f}",
+            f"{run['activation_mb']:,.1f}",
+            f"{run['seconds']:.1f}",
+        ]
+
+    names = [
+        "parameters", "checkpointed layers", "loss (first -> last 10 mean)", "tokens/s",
+        "peak memory (MiB)", "  of which saved activations", "time (s)",
+    ]  # fmt: skip
+    cols = [cells(r) for r in runs]
+    header = [""] + [
+        ("unscheduled" if i == 0 and len(runs) > 1 else "scheduled") for i in range(len(runs))
+    ]
+    width = max(len(n) for n in names)
+    colw = [max(len(header[j + 1]), *(len(cell) for cell in col)) for j, col in enumerate(cols)]
+    lines = [
+        "",
+        f"slapo train: {cfg['model']} ({cfg['preset']}), {cfg['steps']} steps, target "
+        f"{cfg['target']}, {summary['world_size']} process(es)",
+        "-" * (width + 2 + sum(w + 2 for w in colw)),
+        f"{'':<{width}}  " + "  ".join(f"{h:>{w}}" for h, w in zip(header[1:], colw)),
+    ]
+    for i, name in enumerate(names):
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{c[i]:>{w}}" for c, w in zip(cols, colw)))
+    if len(runs) > 1 and runs[0]["tokens_per_s"]:
+        ratio = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+        lines.append(f"{'scheduled / unscheduled tokens/s':<{width}}  {ratio:.2f}x")
+    return "\n".join(lines)
