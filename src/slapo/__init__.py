@@ -9,8 +9,12 @@ Example:
 """
 
 import importlib
-from dataclasses import dataclass, field  # noqa: F401  (the reference API lists slapo.dataclass,
-from functools import partial  # noqa: F401  (slapo.field and slapo.partial: kept)
+
+# The reference API (seed 000) lists these standard-library names as slapo.OrderedDict,
+# slapo.dataclass, slapo.field and slapo.partial: kept importable for code written against it.
+from collections import OrderedDict  # noqa: F401
+from dataclasses import dataclass, field  # noqa: F401
+from functools import partial  # noqa: F401
 
 from . import env, model_schedule, op, primitives, sharding  # noqa: F401  (registers primitives and sync ops)
 from .build import build

@@ -188,27 +188,64 @@ def _tracker_context_fn() -> tuple[contextlib.AbstractContextManager, Any]:
     return contextlib.nullcontext(), recompute_ctx()
 
 
-def checkpoint(
-    function: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any
-) -> Any:
-    """Activation checkpointing that also restores the tracker's RNG states on recompute.
+def _reentrant_with_tracker(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run by torch's reentrant checkpoint with the tracker states of the forward.
 
-    Like ``torch.utils.checkpoint.checkpoint`` (the default generator's state is restored by torch);
-    the tracked states used by ``fork_rng`` are restored too, so a dropout inside a forked block
-    gets the same mask when recomputed. The non-reentrant implementation is the default: it supports
-    keyword arguments and inputs that do not require gradients.
+    The reentrant implementation has no ``context_fn``; its first call is the forward and any
+    later call the recompute in backward, which gets the states the forward started from.
+    """
+    forward_states = _TRACKER.get_states()
+    calls = 0
+
+    def run(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return function(*args)
+        current = _TRACKER.get_states()
+        _TRACKER.set_states(forward_states)
+        try:
+            return function(*args)
+        finally:
+            _TRACKER.set_states(current)
+
+    return run
+
+
+def checkpoint(
+    function: Callable[..., Any], *args: Any, use_reentrant: bool = True, **kwargs: Any
+) -> Any:
+    """Checkpoint a model or part of it, restoring the tracker's RNG states on recompute.
+
+    Like ``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=..., **kwargs)``: the
+    activations inside ``function`` are recomputed in backward instead of kept. torch restores
+    the default generator's state for the recompute; this also restores the states of the tracker
+    used by ``fork_rng`` (:func:`get_cuda_rng_tracker`), so a dropout inside a forked block draws
+    the same mask twice.
+
+    ``use_reentrant=True`` (the default, as in Slapo's reference API) uses torch's reentrant
+    implementation, which takes positional arguments only. Where no positional tensor requires
+    a gradient it would leave the parameters inside ``function`` without gradients, so that case
+    runs the non-reentrant implementation instead (same results). ``use_reentrant=False`` also
+    passes ``**kwargs`` to ``function``.
 
     Example:
         >>> layer = torch.nn.Linear(4, 4)
         >>> y = checkpoint(layer, torch.randn(2, 4, requires_grad=True))
         >>> y.sum().backward()
+        >>> z = checkpoint(layer, torch.randn(2, 4), use_reentrant=False)
     """
     if use_reentrant:
         if kwargs:
             raise SlapoError(
-                "reentrant checkpointing cannot pass keyword arguments; use use_reentrant=False"
+                f"slapo.checkpoint: reentrant checkpointing cannot pass keyword arguments "
+                f"{sorted(kwargs)} to the function; pass use_reentrant=False"
             )
-        return _torch_ckpt.checkpoint(function, *args, use_reentrant=True)
+        needs_grad = any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        if needs_grad:
+            return _torch_ckpt.checkpoint(
+                _reentrant_with_tracker(function), *args, use_reentrant=True
+            )
     return _torch_ckpt.checkpoint(
         function, *args, use_reentrant=False, context_fn=_tracker_context_fn, **kwargs
     )

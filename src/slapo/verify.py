@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .exceptions import SlapoError
+from .logger import get_logger
 from .random import get_cuda_rng_tracker
 from .schedule import PrimitiveRecord, Schedule, create_schedule
 from .sharding.spec import get_shard_spec
@@ -78,7 +79,8 @@ class Verify(contextlib.ContextDecorator):
     Args:
         sch: the root schedule; primitives are applied to it inside the block.
         example_inputs: positional inputs (a tensor, tuple or list) or keyword inputs (a dict).
-        device: where both models run for the check.
+        device: where both models run for the check; ``"cuda"`` (the default, as in Slapo's
+            reference API) falls back to the CPU, with one logged note, where no GPU is present.
         eval_mode: run both in eval mode (no dropout); ``False`` checks train mode, with the same
             RNG state for both runs.
         enable: ``False`` turns the check off (e.g. in production runs).
@@ -99,7 +101,7 @@ class Verify(contextlib.ContextDecorator):
         self,
         sch: Schedule,
         example_inputs: Any,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "cuda",
         eval_mode: bool = True,
         enable: bool = True,
         loss_fn: Callable[[Any], torch.Tensor] | None = None,
@@ -110,7 +112,7 @@ class Verify(contextlib.ContextDecorator):
             raise SlapoError("Verify needs the root schedule returned by slapo.create_schedule")
         self.sch = sch
         self.example_inputs = example_inputs
-        self.device = torch.device(device)
+        self.device = _usable_device(device) if enable else torch.device("cpu")
         self.eval_mode = eval_mode
         self.enable = enable
         self.loss_fn = loss_fn
@@ -286,6 +288,22 @@ class Verify(contextlib.ContextDecorator):
                 return records[count], details[-1] if details else ""
             details.append(detail or "a tensor on another rank differs")
         return None, ""
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """``device``, or the CPU when it names CUDA and no GPU is present (noted in the log)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise SlapoError(
+            f'Verify: device={device!r} is not a device; pass e.g. "cuda", "cuda:1" or "cpu"'
+        ) from err
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        get_logger().info(
+            "Verify: device=%r but no CUDA GPU is available; comparing on the CPU", str(device)
+        )
+        return torch.device("cpu")
+    return resolved
 
 
 def _on_any_rank(flag: bool) -> bool:

@@ -7,10 +7,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_models import MLP, Attention, assert_same
 from torch import fx, nn
 
 import slapo
-from conftest import MLP, Attention, assert_same
 from slapo.pattern import ModulePattern, Pattern, Subgraph, call_module
 
 
@@ -102,9 +102,11 @@ def test_fusing_a_subgraph_whose_intermediate_escapes_is_an_error():
         sch.fuse(found, compiler=None)
 
 
-def test_find_and_fuse_need_a_traced_module():
+def test_find_on_a_module_wrapped_before_tracing_says_what_to_do():
+    # find traces by need (tests/graph/test_trace_by_need.py); a wrapped forward cannot be.
     sch = slapo.create_schedule(MLP())
-    with pytest.raises(slapo.PrimitiveError, match="trace"):
+    sch.checkpoint()
+    with pytest.raises(slapo.SlapoError, match=r'find on "<root>" needs a static graph.*before'):
         sch.find(r"linear1")
 
 

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from graph_models import Attention, FusedQKV, step
 from hf_models import assert_same_step, make, twin
 from torch import nn
 
 import slapo
-from conftest import Attention, FusedQKV, step
 
 
 def qkv_grads(grads: dict, prefix: str = "") -> torch.Tensor:

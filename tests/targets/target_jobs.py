@@ -6,6 +6,7 @@ A check that makes a stage fail breaks the group's links, so it runs last.
 from __future__ import annotations
 
 import jobs_dp
+import jobs_lazy
 import jobs_loop
 import jobs_pp
 
@@ -17,6 +18,7 @@ def job2(rank: int, world: int, pg_timeout: float) -> dict[str, str | None]:
         {
             **jobs_dp.dp_checks(rank, world),
             **jobs_loop.loop_checks(rank, world),
+            **jobs_lazy.lazy_checks(rank, world),
             **jobs_pp.pp2_checks(rank, world, pg_timeout),
         }
     )

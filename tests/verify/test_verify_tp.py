@@ -21,8 +21,9 @@ def _verify_job(rank: int, world: int) -> dict[str, str]:
 
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     report = {}
+    # Gloo ranks run on the CPU: pin Verify there (its default, "cuda", would pick a GPU if any).
     sch = slapo.create_schedule(mlp())
-    with slapo.Verify(sch, x):
+    with slapo.Verify(sch, x, device="cpu"):
         sch["0"].shard("weight", axis=0)
         sch["0"].shard("bias", axis=0)
         sch["0"].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
@@ -38,7 +39,7 @@ def _verify_job(rank: int, world: int) -> dict[str, str]:
 
     sch = slapo.create_schedule(mlp())
     try:
-        with slapo.Verify(sch, x):
+        with slapo.Verify(sch, x, device="cpu"):
             tensor_parallel(sch)
             sch["2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
             sch["1"].replace(nn.ReLU())  # the TP part verifies; this one breaks it
@@ -47,7 +48,7 @@ def _verify_job(rank: int, world: int) -> dict[str, str]:
 
     sch = slapo.create_schedule(mlp())
     try:
-        with slapo.Verify(sch, x):
+        with slapo.Verify(sch, x, device="cpu"):
             tensor_parallel(sch)  # the fwd_post all_reduce on "2" is missing
     except slapo.verify.VerificationError as err:
         report["missing_sync"] = str(err)

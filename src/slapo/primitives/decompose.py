@@ -16,7 +16,10 @@ class DecomposedLinear(nn.Module):
 
     Holds the original parameters under the same names, so state_dict keys do not change.
     ``transposed=True`` is the layout of transformers' ``Conv1D`` (weight is in x out).
+    A trace inlines it into its caller's graph, where the bias add meets what follows it.
     """
+
+    _slapo_inline_when_traced = True
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter, transposed: bool = False) -> None:
         super().__init__()

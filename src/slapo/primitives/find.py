@@ -13,16 +13,12 @@ from ..exceptions import PrimitiveError
 from ..pattern import Pattern, Subgraph, find_call_modules, find_pattern
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import join_path, label
+from .trace import traced_by_need
 
 
 def traced_module(sch: Schedule, primitive: str) -> fx.GraphModule:
-    """The schedule's module, which must be a traced ``GraphModule``."""
-    if not isinstance(sch.mod, fx.GraphModule):
-        raise PrimitiveError(
-            f'{primitive} on "{label(sch.path)}" ({type(sch.mod).__name__}) needs a static '
-            f'graph: call sch["{sch.path}"].trace() first'
-        )
-    return sch.mod
+    """The schedule's module as a traced ``GraphModule``, traced now if it is not yet."""
+    return traced_by_need(sch, primitive)
 
 
 @register_primitive()
@@ -34,11 +30,11 @@ class FindPrimitive(Primitive):
     structurally; ``call_module(regex, *args)`` inside a pattern matches a submodule call.
     Traced submodules (child GraphModules) are searched too; each ``Subgraph`` records the path
     of the graph it lives in. Returns every non-overlapping match (an empty list if none).
+    An untraced module is traced first (trace by need: only this module, as ``trace()`` does).
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
-        >>> gm = sch.trace(tracer="fx")
-        >>> sch.find(lambda x: torch.nn.functional.gelu(x))
+        >>> sch.find(lambda x: torch.nn.functional.gelu(x))  # traces sch by need
         [Subgraph(path='', nodes=[_1])]
     """
 

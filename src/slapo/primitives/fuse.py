@@ -9,6 +9,7 @@ import torch
 from torch import fx, nn
 
 from ..exceptions import PrimitiveError
+from ..pattern import Subgraph
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import label
 from .subgraph_replace import replace_each
@@ -42,29 +43,86 @@ def compile_module(gm: fx.GraphModule, compiler: Compiler, where: str) -> nn.Mod
     )
 
 
+_UNSET: Any = object()
+
+
+def _is_subgraph(value: Any) -> bool:
+    """Whether ``value`` is what ``find`` returns: a Subgraph, a node, or a list of them."""
+    if isinstance(value, Subgraph | fx.Node):
+        return True
+    return isinstance(value, list | tuple) and all(isinstance(v, Subgraph) for v in value)
+
+
+def _is_compiler(value: Any) -> bool:
+    return value is None or isinstance(value, str) or (callable(value) and not _is_subgraph(value))
+
+
+def fuse_arguments(sch: Schedule, first: Any, second: Any, subgraph: Any, compiler: Any) -> tuple:
+    """``(subgraph, compiler)`` from ``fuse(compiler, subgraph)`` (the seed's order) or
+    ``fuse(subgraph, compiler)``, told apart by type; keywords fill in what is not positional.
+
+    Example:
+        >>> fuse_arguments(sch, "TorchScript", found, _UNSET, _UNSET) == (found, "TorchScript")
+        True
+    """
+    given = [v for v in (first, second) if v is not _UNSET]
+    for value in given:
+        if _is_subgraph(value):
+            if subgraph is not _UNSET:
+                raise PrimitiveError(f'fuse on "{label(sch.path)}": the subgraph is given twice')
+            subgraph = value
+        elif _is_compiler(value):
+            if compiler is not _UNSET:
+                raise PrimitiveError(f'fuse on "{label(sch.path)}": the compiler is given twice')
+            compiler = value
+        else:
+            raise PrimitiveError(
+                f'fuse on "{label(sch.path)}": {type(value).__name__} is neither a subgraph '
+                "(what find() returns) nor a compiler (a name, a backend function or None); "
+                'call fuse(compiler, subgraph), e.g. fuse("TorchScript", sch.find(pattern))'
+            )
+    if subgraph is _UNSET:
+        raise PrimitiveError(
+            f'fuse on "{label(sch.path)}" needs the subgraph to fuse: '
+            "fuse(compiler, sch.find(pattern))"
+        )
+    return subgraph, "inductor" if compiler is _UNSET else compiler
+
+
 @register_primitive()
 class FusePrimitive(Primitive):
     """Fuse a subgraph found by ``find`` into one module, compiled by ``compiler``.
 
-    ``compiler`` is ``"inductor"`` (torch.compile), any other torch.compile backend (a name or a
-    function), ``"TorchScript"`` where torch still has it, or None to keep the fused module
-    eager. Several matches are fused one by one (``name``, ``name_0``, ...). The subgraph's
-    intermediate values must not be used outside it. Returns the fused modules' names.
+    Both ``fuse(compiler, subgraph)`` (Slapo's order) and ``fuse(subgraph, compiler=...)`` work;
+    the arguments are told apart by type. ``compiler`` is ``"inductor"`` (torch.compile, the
+    default), any other torch.compile backend (a name or a function), ``"TorchScript"``
+    (``torch.jit.script`` of the fused graph, where torch still has it), or None to keep the
+    fused module eager. Several matches are fused one by one (``name``, ``name_0``, ...). The
+    subgraph's intermediate values must not be used outside it. Returns the fused modules' names.
 
     Example:
         >>> subgraph = sch.find(lambda x, bias: F.gelu(bias + x))
-        >>> sch.fuse(subgraph, compiler="inductor", name="BiasGeLU")
+        >>> sch.fuse("TorchScript", subgraph, name="BiasGeLU")  # or fuse(subgraph, compiler=...)
     """
 
     name = "fuse"
 
     @staticmethod
     def apply(
-        sch: Schedule, subgraph: Any, compiler: Compiler = "inductor", name: str = "FusedModule"
+        sch: Schedule,
+        compiler_or_subgraph: Any = _UNSET,
+        subgraph_or_compiler: Any = _UNSET,
+        name: str = "FusedModule",
+        *,
+        compiler: Compiler = _UNSET,
+        subgraph: Any = _UNSET,
     ) -> list[str]:
+        found, compiler = fuse_arguments(
+            sch, compiler_or_subgraph, subgraph_or_compiler, subgraph, compiler
+        )
         return replace_each(
             sch,
-            subgraph,
+            found,
             "fuse",
             name,
             name,

@@ -13,27 +13,37 @@ from .subgraph_replace import replace_each
 
 
 class CheckpointedSubgraph(nn.Module):
-    """Runs an extracted subgraph under activation checkpointing (non-reentrant, RNG restored)."""
+    """Runs an extracted subgraph under activation checkpointing (non-reentrant, RNG restored).
+
+    The subgraph is held as a plain attribute, not a submodule: the modules it calls stay
+    registered where they were in the traced module, so parameter names (and a state dict saved
+    before scheduling) are unchanged, and ``.to()``/``train()`` reach them through their owner.
+    """
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
         super().__init__()
-        self.graph_module = graph_module
+        object.__setattr__(self, "graph_module", graph_module)  # not registered: see above
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to save memory on (eval, no_grad)
             return self.graph_module(*args)
         return rng_checkpoint(self.graph_module, *args, use_reentrant=False)
 
+    def extra_repr(self) -> str:
+        calls = [str(n.target) for n in self.graph_module.graph.nodes if n.op == "call_module"]
+        return f"calls={calls}" if calls else ""
+
 
 def checkpoint_subgraph(sch: Schedule, subgraph: Any, name: str = "checkpoint") -> list[str]:
     """Move each subgraph into its own module and checkpoint that module.
 
     Dropout masks are kept on recompute (RNG states are restored), so loss and gradients equal
-    the uncheckpointed graph's. Returns the new modules' names.
+    the uncheckpointed graph's. Parameter names do not change. Returns the new modules' names.
 
     Example:
-        >>> sch.trace(tracer="fx", flatten=True)
-        >>> sch.checkpoint(sch.find(lambda x: F.gelu(call_module("fc1", x))))
+        >>> found = sch["mlp"].find(lambda x: F.gelu(call_module("fc1", x)))  # traces by need
+        >>> sch["mlp"].checkpoint(found)
+        ['checkpoint']
     """
     return replace_each(
         sch,
@@ -42,4 +52,5 @@ def checkpoint_subgraph(sch: Schedule, subgraph: Any, name: str = "checkpoint") 
         name,
         "CheckpointedSubgraph",
         lambda gm, owner: CheckpointedSubgraph(gm),
+        keep_called=True,
     )

@@ -135,9 +135,12 @@ def replace_each(
     name: str,
     class_name: str,
     make: Callable[[fx.GraphModule, Schedule], nn.Module],
+    keep_called: bool = False,
 ) -> list[str]:
     """Cut each subgraph out into a ``GraphModule`` ``gm`` and call ``make(gm, owner)`` in its
     place (``owner``: the schedule whose graph held it); returns the new modules' names.
+    ``keep_called``: the modules the subgraph calls stay registered where they were (the new
+    module must then not register ``gm`` as a submodule, so no parameter is renamed).
 
     Example:
         >>> replace_each(sch, sch.find(pattern), "fuse", "Fused", "Fused", lambda gm, owner: gm)
@@ -148,7 +151,8 @@ def replace_each(
         owner = owner_of(sch, [sub], primitive)
         check_closed(sub, primitive)
         gm, inputs = extract(owner.mod, sub, class_name)
-        names.append(substitute(owner, [sub], make(gm, owner), name, inputs))
+        module = make(gm, owner)
+        names.append(substitute(owner, [sub], module, name, inputs, keep_called=keep_called))
     return names
 
 
@@ -172,12 +176,14 @@ def substitute(
     name: str,
     args: Sequence[Any],
     kwargs: dict[str, Any] | None = None,
+    keep_called: bool = False,
 ) -> str:
     """Call ``module(*args, **kwargs)`` in place of ``subs``; output i feeds chain i's users.
 
     With one subgraph the module's output replaces the subgraph's output; with several
     (horizontal fusion) the module returns a tuple with one element per subgraph.
-    Returns the name under which the module is registered in the owner.
+    Returns the name under which the module is registered in the owner. The submodules that
+    only ``subs`` called are removed, unless ``keep_called``.
     """
     gm: fx.GraphModule = owner_sch.mod
     graph = gm.graph
@@ -209,7 +215,8 @@ def substitute(
     for node in list(graph.nodes):  # parameters read only by the removed nodes
         if node.op == "get_attr" and not node.users:
             graph.erase_node(node)
-    _drop_unused(gm, called)
+    if not keep_called:
+        _drop_unused(gm, called)
     graph.lint()
     gm.recompile()
     owner_sch.swap_module(gm)

@@ -8,6 +8,11 @@ more) or a user function ``fn(tensor, **kwargs) -> tensor``, at one of three poi
 * ``fwd_post``: on the module's main output after forward;
 * ``bwd_post``: on the gradient of the module's main input, once backward through it is done.
 
+The older Slapo spelling ``sync(mode="forward"|"backward"|"both")`` (Megatron-style tensor
+parallelism) also works: ``"forward"`` is ``fwd_post`` (all-reduce the output of a row-parallel
+part), ``"backward"`` is ``bwd_post`` (all-reduce the input gradient of a column-parallel part),
+and ``"both"`` applies the two.
+
 The main input is the first positional tensor, or, for modules called with keywords only (as
 transformers 5 calls its layers with ``hidden_states=``), the first of the usual input keywords.
 """
@@ -32,6 +37,12 @@ from ..sharding.sync_ops import (
 from ..surgery import label
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+# The older spelling (seed 003), each with the modes above that it applies, in this order.
+SEED_SYNC_MODES = {
+    "forward": ("fwd_post",),
+    "backward": ("bwd_post",),
+    "both": ("fwd_post", "bwd_post"),
+}
 
 
 def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, Any]) -> Callable:
@@ -57,11 +68,15 @@ class SyncPrimitive(Primitive):
     """Run a collective or a function on the module's input, output or input gradient.
 
     ``mode`` is ``"fwd_pre"``, ``"fwd_post"`` or ``"bwd_post"``; ``sync_op_or_fn`` a registered op
-    name (``slapo.sharding.sync_ops.SYNC_OPS``) or ``fn(tensor, **kwargs) -> tensor``.
+    name (``slapo.sharding.sync_ops.SYNC_OPS``) or ``fn(tensor, **kwargs) -> tensor``. The older
+    modes ``"forward"`` (= ``fwd_post``), ``"backward"`` (= ``bwd_post``) and ``"both"`` (the two)
+    are accepted too; with the default op they are Megatron's output and input-gradient
+    all-reduces.
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
         >>> sch["0"].sync(mode="fwd_post", sync_op_or_fn=lambda t: t * 2)
+        >>> sch["0"].sync(mode="both", sync_op_or_fn=lambda t: t)
     """
 
     name = "sync"
@@ -73,35 +88,41 @@ class SyncPrimitive(Primitive):
         sync_op_or_fn: str | Callable = "all_reduce",
         **kwargs: Any,
     ) -> None:
-        if mode not in SYNC_MODES:
+        modes = SEED_SYNC_MODES.get(mode, (mode,)) if isinstance(mode, str) else (mode,)
+        if any(m not in SYNC_MODES for m in modes):
             raise PrimitiveError(
-                f'sync on "{label(sch.path)}": unknown mode "{mode}"; use one of {SYNC_MODES}'
+                f'sync on "{label(sch.path)}": unknown mode "{mode}"; use one of '
+                + ", ".join(f'"{m}"' for m in SYNC_MODES + tuple(SEED_SYNC_MODES))
             )
         op = _resolve_op(sch, sync_op_or_fn, kwargs)
-        path = label(sch.path)
+        for one in modes:
+            _register(sch, one, op)
 
-        if mode == "fwd_post":
-            # A row-parallel layer adds its bias only once the partial sums are reduced.
-            sch.mod.register_forward_hook(
-                lambda mod, args, out: replace_primary_output(
-                    out, lambda t: apply_after_sync(mod, op(t))
-                )
+
+def _register(sch: Schedule, mode: str, op: Callable) -> None:
+    """Hook ``op`` into ``sch.mod`` at the point ``mode`` (one of ``SYNC_MODES``)."""
+    path = label(sch.path)
+
+    if mode == "fwd_post":
+        # A row-parallel layer adds its bias only once the partial sums are reduced.
+        sch.mod.register_forward_hook(
+            lambda mod, args, out: replace_primary_output(
+                out, lambda t: apply_after_sync(mod, op(t))
             )
-            return
+        )
+        return
 
-        def pre_hook(
-            mod: nn.Module, args: tuple, kw: dict[str, Any]
-        ) -> tuple[tuple, dict[str, Any]]:
-            tensor, put = primary_input(args, kw)
-            if tensor is None:
-                raise SlapoError(f'sync(mode="{mode}") on "{path}": the module got no tensor input')
-            if mode == "fwd_pre":
-                return put(op(tensor))
-            if not tensor.requires_grad:  # no gradient will flow back through this input
-                return args, kw
-            return put(on_grad(tensor, op))
+    def pre_hook(mod: nn.Module, args: tuple, kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        tensor, put = primary_input(args, kw)
+        if tensor is None:
+            raise SlapoError(f'sync(mode="{mode}") on "{path}": the module got no tensor input')
+        if mode == "fwd_pre":
+            return put(op(tensor))
+        if not tensor.requires_grad:  # no gradient will flow back through this input
+            return args, kw
+        return put(on_grad(tensor, op))
 
-        sch.mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    sch.mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
 
 
 _HOOK_MODES = {"fw_pre": "fwd_pre", "fw_post": "fwd_post", "bw_post": "bwd_post"}

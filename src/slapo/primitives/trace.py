@@ -19,7 +19,7 @@ from ..tracing import (
     trace_module,
 )
 
-__all__ = ["TracePrimitive", "trace_schedule"]
+__all__ = ["TracePrimitive", "trace_schedule", "traced_by_need"]
 
 
 def trace_schedule(
@@ -28,14 +28,16 @@ def trace_schedule(
     *,
     leaves: Leaves = (),
     flatten: bool = False,
-    tracer: str = "export",
+    tracer: str | None = None,
     concrete_args: dict[str, Any] | None = None,
 ) -> fx.GraphModule:
     """Trace the module of schedule ``sch`` in place and rebuild its child schedules.
 
-    Inputs for torch.export are, in order: ``example_inputs`` for this module; captured from a
-    run of the root model on ``sch.root.extra["example_inputs"]`` or, for ``transformers``
-    models, their ``dummy_inputs``. An already traced module is only flattened if asked.
+    With no tracer named, ``example_inputs`` given means torch.export; none given means fx
+    (no inputs needed), then torch.export where fx fails. Inputs for torch.export are, in
+    order: ``example_inputs`` for this module; captured from a run of the root model on
+    ``sch.root.extra["example_inputs"]`` or, for ``transformers`` models, their
+    ``dummy_inputs``. An already traced module is only flattened if asked.
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
@@ -56,8 +58,6 @@ def trace_schedule(
             f'"{label(sch.path)}" already has {", ".join(wraps)}() applied; trace it first, then '
             "apply them (on the traced module, or on a subgraph)"
         )
-    if example_inputs is None and tracer == "export":
-        example_inputs = _infer_inputs(sch)
     gm = trace_module(
         mod,
         example_inputs,
@@ -66,10 +66,31 @@ def trace_schedule(
         tracer=tracer,
         concrete_args=concrete_args,
         path=sch.path,
+        infer_inputs=lambda: _infer_inputs(sch),
     )
     move_hooks(mod, gm)
     sch.swap_module(gm)
     return gm
+
+
+def traced_by_need(sch: Schedule, primitive: str) -> fx.GraphModule:
+    """The schedule's module as a ``GraphModule``: traced now (the default tracer, hierarchy
+    kept) if it is not yet. Static-graph primitives call this, so no ``trace()`` is needed.
+
+    Example:
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        >>> type(traced_by_need(sch, "find")).__name__
+        'Sequential'
+    """
+    if isinstance(sch.mod, fx.GraphModule):
+        return sch.mod
+    wraps = forward_wraps(sch.mod)
+    if wraps:
+        raise TraceError(
+            f'{primitive} on "{label(sch.path)}" needs a static graph, but {", ".join(wraps)}() '
+            f"is applied to it already; call {primitive} (or trace()) before {wraps[0]}()"
+        )
+    return trace_schedule(sch)
 
 
 def _infer_inputs(sch: Schedule) -> Any:
@@ -95,15 +116,19 @@ def _infer_inputs(sch: Schedule) -> Any:
 class TracePrimitive(Primitive):
     """Turn this module into a ``torch.fx.GraphModule``; its children stay schedulable.
 
-    ``tracer="export"`` (default) uses torch.export and needs example inputs: given with
-    ``example_inputs=``, or captured by running the root model on
-    ``create_schedule(model, example_inputs=...)`` or on a transformers model's ``dummy_inputs``.
-    ``tracer="fx"`` uses symbolic tracing with ``leaves`` kept as calls. ``flatten=True`` inlines
-    traced submodules into one graph. Dropout keeps following ``train()``/``eval()``.
+    ``trace(leaves, flatten)``: ``leaves`` are kept as calls of the original submodules and
+    ``flatten=True`` inlines traced submodules into one graph. With no ``tracer`` named, fx
+    (symbolic tracing, no inputs needed) is tried first and torch.export where fx fails (as on
+    transformers layers); ``example_inputs=`` given selects torch.export. torch.export's inputs
+    are otherwise captured by running the root model on
+    ``create_schedule(model, example_inputs=...)`` or on a transformers model's
+    ``dummy_inputs``. ``tracer``: ``"fx"``/``"pytorch"``, ``"export"``/``"dynamo"``,
+    ``"huggingface"`` or ``"auto"`` (both: fx first). Dropout keeps following
+    ``train()``/``eval()``. ``find``, ``fuse``, partial ``replace``/``checkpoint`` trace by need.
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
-        >>> gm = sch.trace(example_inputs=torch.randn(2, 4))
+        >>> gm = sch.trace()  # fx: no inputs needed
         >>> type(sch["0"].mod).__name__, sch["0"].mod is gm.get_submodule("0")
         ('Linear', True)
     """
@@ -115,7 +140,7 @@ class TracePrimitive(Primitive):
         sch: Schedule,
         leaves: Leaves = (),
         flatten: bool = False,
-        tracer: str = "export",
+        tracer: str | None = None,
         concrete_args: dict[str, Any] | None = None,
         example_inputs: Any = None,
     ) -> fx.GraphModule:

@@ -5,12 +5,16 @@ each rank runs its stage(s) in a ``PipelineStage`` under a torch schedule (GPipe
 Interleaved1F1B, ...). Slapo adds what torch leaves to the user: user-visible names, gradient
 sums of weights tied across stages, the loss on every rank, a per-stage table, and one clear
 error on every rank when a stage fails.
+
+The stages are built on the first step, from its batch (torch's pipelining infers the shapes
+between stages at run time); ``example_inputs=`` builds them at build time instead.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,63 +46,153 @@ __all__ = ["PipelineEngine", "build_pipeline"]
 _V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
 
 
+@dataclass
+class _Plan:
+    """What the build knows before it sees a batch: everything but the stage modules."""
+
+    model: nn.Module
+    cuts: list[str]
+    forward_kwargs: dict[str, Any]
+    grad: bool  # trace with autograd on (tensor-parallel bwd_post hooks)
+    schedule: str
+    schedule_cls: type
+    single: bool
+    num_microbatches: int
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    pp_group: dist.ProcessGroup | None
+    pp_groups: list[list[int]]
+    stage_to_rank: list[int]
+    pp_rank: int
+    device: torch.device
+    blocks: list[str]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts) + 1
+
+
 class PipelineEngine:
     """This rank's part of a pipeline: its stage module(s) and the torch schedule running them.
 
     It honours the training-loop contract (:mod:`slapo.targets.contract`) with its own
-    :meth:`train_step`; :meth:`step` takes the inputs and the target apart.
+    :meth:`train_step`; :meth:`step` takes the inputs and the target apart. Built without
+    ``example_inputs=``, it traces and splits the model on the first step's first microbatch
+    (:attr:`built` turns True then); every later batch must have that batch's shapes.
 
     Example:
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="1F1B",
-        ...                           num_microbatches=4, loss_fn=loss, example_inputs=(ids,))
-        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})
+        ...                           num_microbatches=4, loss_fn=loss, optimizer=torch.optim.SGD)
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})  # builds
         >>> opt.step(); opt.zero_grad()
     """
 
-    def __init__(
-        self,
-        schedule: Any,
-        modules: dict[int, nn.Module],
-        num_stages: int,
-        stage_to_rank: list[int],
-        group: dist.ProcessGroup | None,
-        ties: TiedGradSync,
-        input_shapes: list[torch.Size],
-        num_microbatches: int,
-        fail: FailTogether,
-        input_names: tuple[str, ...] = (),
-    ) -> None:
-        self.schedule = schedule
-        self.stage_modules = modules
-        self.num_stages = num_stages
-        self.stage_to_rank = stage_to_rank
-        self.group = group
-        self.num_microbatches = num_microbatches
+    def __init__(self, plan: _Plan, fail: FailTogether) -> None:
+        self.schedule: Any = None  # the torch schedule, once built
+        self.stage_modules: dict[int, nn.Module] = {}
+        self.num_stages = plan.num_stages
+        self.stage_to_rank = plan.stage_to_rank
+        self.group = plan.pp_group
+        self.num_microbatches = plan.num_microbatches
         self.table: list[Any] = []
-        self._ties = ties
-        self._shapes = input_shapes
-        self._names = input_names
+        self.is_first = plan.stage_to_rank[0] == plan.pp_rank
+        self.is_last = plan.stage_to_rank[-1] == plan.pp_rank
+        self._plan = plan
         self._fail = fail
-        self.is_first = 0 in modules
-        self.is_last = num_stages - 1 in modules
+        self._ties: TiedGradSync | None = None
+        self._shapes: list[tuple[int, ...]] = []
+        self._origin = ""  # what the stages were built from, for error messages
+        self._names = _positional_names(plan.model)  # cut to the traced inputs once built
+        self._mode: bool | None = None  # train()/eval() asked for before the stages exist
+        self._optimizers: list[torch.optim.Optimizer] = []
+
+    @property
+    def built(self) -> bool:
+        """Whether this rank's stages exist (after ``example_inputs=`` or the first step)."""
+        return self.schedule is not None
+
+    def build(self, *inputs: torch.Tensor, origin: str = "the first batch") -> None:
+        """Trace the model on the first microbatch of ``inputs``, split it, build the stages.
+
+        Every rank calls it with the same inputs (it creates process groups for tied weights).
+        :meth:`step` calls it on its first batch; ``slapo.build(..., example_inputs=)`` at build.
+
+        Example:
+            >>> engine.build(ids)        # ids: one training batch, as step() takes it
+            >>> engine.built
+            True
+        """
+        # deferred: torch.distributed.pipelining takes 0.4 s to import; only this target uses it
+        from torch.distributed.pipelining import PipelineStage
+
+        if self.built:
+            raise TargetError("pipeline: the stages are already built; build() runs once")
+        p = self._plan
+        inputs = _batch_tensors(inputs, origin)
+        mb_args = _first_microbatch(inputs, p.num_microbatches, origin)
+        part = partition_model(p.model, p.cuts, mb_args, p.forward_kwargs, grad=p.grad)
+        local = {
+            s: part.stages[s].to(p.device)
+            for s in range(p.num_stages)
+            if p.stage_to_rank[s] == p.pp_rank
+        }
+        stages = [
+            PipelineStage(mod, s, p.num_stages, p.device, group=p.pp_group)
+            for s, mod in local.items()
+        ]
+        try:
+            runner = p.schedule_cls(
+                stages[0] if p.single else stages,
+                n_microbatches=p.num_microbatches,
+                loss_fn=p.loss_fn,
+            )
+        except ValueError as exc:  # e.g. fewer microbatches than stages: name the option
+            raise TargetError(
+                f"pipeline: schedule={p.schedule!r}, num_microbatches={p.num_microbatches}: {exc}"
+            ) from exc
+        ties = find_tie_groups(p.model, part.stages)
+        self._ties = TiedGradSync(ties, p.pp_groups, lambda s: p.stage_to_rank[s], local)
+        self.stage_modules = local
+        self.schedule = runner
+        self._shapes = [tuple(x.shape) for x in inputs]
+        self._origin = origin
+        self._names = self._names[: len(inputs)]
+        self.table = stage_table(part.stages, p.blocks, p.stage_to_rank)
+        if self._mode is not None:
+            self.train(self._mode)
+        for opt in self._optimizers:
+            _narrow_optimizer(opt, p.model, local)
+        if dist.get_rank() == 0:
+            tied = "; ".join(" = ".join(sorted(t.names)) + f" on stages {t.stages}" for t in ties)
+            get_logger().info(
+                "pipeline: %d stages, schedule %s, %d microbatches, built from %s\n%s%s",
+                p.num_stages,
+                p.schedule_cls.__name__,
+                p.num_microbatches,
+                origin,
+                format_table(self.table),
+                f"\ntied across stages (gradients summed): {tied}" if tied else "",
+            )
 
     def step(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
         """One forward and backward of the batch; returns the mean microbatch loss on every rank.
 
         Gradients accumulate into the stage parameters (the optimizer steps and zeroes them).
         Every rank passes the same arguments; only the first stage reads ``inputs`` and only
-        the last reads ``target``.
+        the last reads ``target``. The first step builds the stages when build did not.
 
         When a stage raises, every rank raises :class:`~slapo.pipeline.PipelineError` with that
         stage's error within a few seconds (``slapo.pipeline.failure``); the ranks' links are
         broken then, so the process groups cannot be used again in this process.
         """
+        if not self.built:
+            self.build(*inputs)
         self._check_inputs(inputs)
         losses: list[torch.Tensor] = []
         with self._fail:
             args = inputs if self.is_first else ()
             kwargs = {"target": target, "losses": losses} if self.is_last else {}
             self.schedule.step(*args, **kwargs)
+            assert self._ties is not None  # set with the schedule
             self._ties()
             loss = (
                 torch.stack([x.detach().float() for x in losses]).mean()
@@ -113,8 +207,8 @@ class PipelineEngine:
         """One forward and backward of ``batch``, as :func:`slapo.train_step` runs it.
 
         A mapping batch gives the traced inputs by the forward's parameter names (e.g.
-        ``input_ids``) and the target as ``labels``; a tuple is ``(inputs..., target)``. Returns
-        :meth:`step`'s loss.
+        ``input_ids``), which must be its leading positional parameters, and the target as
+        ``labels``; a tuple is ``(inputs..., target)``. Returns :meth:`step`'s loss.
 
         Example:
             >>> loss = engine.train_step({"input_ids": ids, "labels": labels})
@@ -123,30 +217,54 @@ class PipelineEngine:
         named = self._names[len(args) :]
         extra = sorted(set(kwargs) - set(named))
         if extra:
+            built = " (example_inputs=)" if self._origin == _EXAMPLE else ""
             raise TargetError(
-                f"pipeline: the batch has {extra}, but the stages were traced on the forward's "
-                f"{list(self._names)} (example_inputs=) plus the target {TARGET_KEY!r}: drop them "
+                f"pipeline: the batch has {extra}, but the stages take the forward's "
+                f"{list(self._names)}{built} plus the target {TARGET_KEY!r}: drop them "
                 "from the batch (constant arguments go to forward_kwargs= at build)"
             )
-        inputs = (*args, *(kwargs[n] for n in named if n in kwargs))
+        given = [n for n in named if n in kwargs]
+        gaps = [n for n in named[: len(given)] if n not in kwargs]
+        if gaps:
+            raise TargetError(
+                f"pipeline: the batch gives {given} but not {gaps} before them: the stages take "
+                "the forward's leading positional inputs; pass a tuple batch, or drop the later "
+                "inputs (constant arguments go to forward_kwargs= at build)"
+            )
+        inputs = (*args, *(kwargs[n] for n in given))
         return self.step(*inputs, target=target)
 
     def _check_inputs(self, inputs: tuple) -> None:
         shapes = [tuple(x.shape) for x in inputs]
-        want = [tuple(s) for s in self._shapes]
         if shapes and shapes[0] and shapes[0][0] % self.num_microbatches:
             raise TargetError(
                 f"pipeline: a batch of {shapes[0][0]} does not split into "
                 f"num_microbatches={self.num_microbatches} equal microbatches"
             )
-        if shapes != want:
+        if shapes != self._shapes:
+            fix = (
+                "pass example_inputs of the training batch's shape"
+                if self._origin == _EXAMPLE
+                else "every batch must have the first batch's shapes"
+            )
             raise TargetError(
                 f"pipeline: step got inputs of shapes {shapes}, but the pipeline was traced for "
-                f"{want} (example_inputs=); pass example_inputs of the training batch's shape"
+                f"{self._shapes} ({self._origin}); {fix}"
             )
 
     def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under their names in the user's model."""
+        """This rank's parameters under their names in the user's model.
+
+        The stages exist once built: before the first step of a pipeline built without
+        ``example_inputs=`` this raises a :class:`TargetError` (the optimizer ``build``
+        returns already covers them).
+        """
+        if not self.built:
+            raise TargetError(
+                "pipeline: this rank's parameters are known once its stages are built, on the "
+                "first step; pass optimizer= to slapo.build (it adopts them then), or "
+                "example_inputs= (one training batch) to build the stages at build time"
+            )
         seen: set[int] = set()
         for mod in self.stage_modules.values():
             for name, p in mod.named_parameters(prefix=prefix):
@@ -159,12 +277,49 @@ class PipelineEngine:
             yield p
 
     def train(self, mode: bool = True) -> PipelineEngine:
+        self._mode = mode
         for mod in self.stage_modules.values():
             mod.train(mode)
         return self
 
     def eval(self) -> PipelineEngine:
         return self.train(False)
+
+
+_EXAMPLE = "example_inputs="
+
+
+def _narrow_optimizer(
+    opt: torch.optim.Optimizer, model: nn.Module, local: dict[int, nn.Module]
+) -> None:
+    """Point an optimizer made over the whole model at this rank's stage parameters.
+
+    Each group keeps its options (and its dict, which LR schedulers hold); its model
+    parameters become the stage parameters of the same names held here. Copies the split
+    made (one per stage of a tied weight) are found by name; others' parameters drop out.
+    """
+    names_of: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+    held: dict[str, nn.Parameter] = {}
+    for mod in local.values():
+        for name, p in mod.named_parameters(remove_duplicate=False):
+            held.setdefault(name, p)
+    kept: set[int] = set()
+    for group in opt.param_groups:
+        mine: dict[int, torch.Tensor] = {}
+        for p in group["params"]:
+            if id(p) not in names_of:  # not a model parameter (the factory's own): keep it
+                mine.setdefault(id(p), p)
+                continue
+            for name in names_of[id(p)]:
+                q = held.get(name)
+                if q is not None and q.requires_grad:
+                    mine.setdefault(id(q), q)
+        group["params"] = list(mine.values())
+        kept.update(mine)
+    for p in [p for p in opt.state if id(p) not in kept]:
+        del opt.state[p]  # no state survives for a parameter the rank no longer steps
 
 
 @register_target("pipeline")
@@ -183,6 +338,10 @@ def build_pipeline(
 ) -> tuple[PipelineEngine, torch.optim.Optimizer | None]:
     """Split the model at its cuts and run this rank's stage(s) with a torch pipeline schedule.
 
+    The stages are traced, split and built on the first ``step``/``train_step`` from its first
+    microbatch (every later batch must have the first batch's shapes), or here when
+    ``example_inputs`` is given.
+
     Args:
         schedule: a ``torch.distributed.pipelining`` schedule name: ``"GPipe"``, ``"1F1B"``,
             ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``,
@@ -191,27 +350,30 @@ def build_pipeline(
         num_microbatches: microbatches per step; must divide the batch.
         loss_fn: ``loss_fn(last_stage_output, target_microbatch)``; the step's loss is the mean
             over microbatches and gradients are those of that mean.
-        example_inputs: one training batch as passed to ``step`` (a tensor or a tuple); the
-            model is traced on its first microbatch. Default: ``create_schedule(...,
-            example_inputs=...)``.
+        example_inputs: optional, one training batch as passed to ``step`` (a tensor or a
+            tuple): build the stages now, traced on its first microbatch. Default:
+            ``create_schedule(..., example_inputs=...)``, else the first step's batch.
         forward_kwargs: constant keyword arguments of the model's forward during tracing
             (default ``{"use_cache": False}`` when the forward takes ``use_cache``).
         group: ``None`` (all ranks form the pipeline) or a DeviceMesh: 1-D, or with a ``"pp"``
             dimension (e.g. ``("pp", "tp")`` for pipeline x tensor parallelism: schedule the
             model with ``create_schedule(model, group=mesh["tp"])`` and its tensor-parallel
             primitives before the build; each stage runs its collectives on its ``tp`` group).
+        optimizer: an optimizer class or factory. Built here over this rank's stage parameters;
+            when the stages wait for the first step, built here over the model's parameters
+            and narrowed to this rank's stage parameters when the stages are built (before the
+            first ``optimizer.step()``; its param-group dicts, which LR schedulers hold, stay).
         timeout: seconds a rank waits for the others' reports when a stage fails.
 
     Example:
         >>> sch["transformer.h.0"].cut_pipeline_stage()
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="GPipe", num_microbatches=2,
         ...     loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
-        ...     example_inputs=(ids,), optimizer=torch.optim.AdamW)
-        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})
+        ...     optimizer=torch.optim.AdamW)
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})  # builds stages
         >>> opt.step(); opt.zero_grad()    # engine.step(ids, target=ids) is the same step
     """
     # deferred: torch.distributed.pipelining takes 0.4 s to import; only this target uses it
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
     require_distributed("pipeline")
@@ -233,84 +395,64 @@ def build_pipeline(
         raise TargetError(f"pipeline: schedule={schedule!r}: {exc}") from exc
     single = issubclass(schedule_cls, PipelineScheduleSingle)
 
-    inputs = _example_batch(sch, example_inputs)
-    mb_args = _first_microbatch(inputs, num_microbatches)
+    inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
     model = sch.mod
-    kwargs = _forward_kwargs(model, forward_kwargs)
     pp_group, pp_groups = _pp_groups(group)
     pp_size = len(pp_groups[0])
     num_stages = len(cuts) + 1
     _check_stage_count(num_stages, pp_size, single, schedule)
-
-    # Tensor-parallel gradient hooks (sync bwd_post) need a trace with autograd on.
-    syncs = any(r.name == "sync" for r in sch.root.metadata.primitives)
-    part = partition_model(model, cuts, mb_args, kwargs, grad=syncs)
     v_style = schedule.lower() in _V_SCHEDULES
     stage_to_rank = [_rank_of_stage(s, pp_size, num_stages, v_style) for s in range(num_stages)]
-    pp_rank = dist.get_rank(pp_group) if pp_group is not None else dist.get_rank()
-    dev = torch.device(device) if device is not None else default_device()
-    local = {s: part.stages[s].to(dev) for s in range(num_stages) if stage_to_rank[s] == pp_rank}
-    stages = [PipelineStage(mod, s, num_stages, dev, group=pp_group) for s, mod in local.items()]
-    try:
-        runner = schedule_cls(
-            stages[0] if single else stages, n_microbatches=num_microbatches, loss_fn=loss_fn
-        )
-    except ValueError as exc:  # e.g. fewer microbatches than stages: name the option
-        raise TargetError(
-            f"pipeline: schedule={schedule!r}, num_microbatches={num_microbatches}: {exc}"
-        ) from exc
-    ties = find_tie_groups(model, part.stages)
-    sync = TiedGradSync(ties, pp_groups, lambda s: stage_to_rank[s], local)
-    stages_of_rank = _stages_of_rank(pp_groups, stage_to_rank)
-    engine = PipelineEngine(
-        runner,
-        local,
-        num_stages,
-        stage_to_rank,
-        pp_group,
-        sync,
-        [x.shape for x in inputs],
-        num_microbatches,
-        FailTogether(stages_of_rank, timeout),
-        _positional_names(model, len(inputs)),
+    plan = _Plan(
+        model=model,
+        cuts=cuts,
+        forward_kwargs=_forward_kwargs(model, forward_kwargs),
+        # Tensor-parallel gradient hooks (sync bwd_post) need a trace with autograd on.
+        grad=any(r.name == "sync" for r in sch.root.metadata.primitives),
+        schedule=schedule,
+        schedule_cls=schedule_cls,
+        single=single,
+        num_microbatches=num_microbatches,
+        loss_fn=loss_fn,
+        pp_group=pp_group,
+        pp_groups=pp_groups,
+        stage_to_rank=stage_to_rank,
+        pp_rank=dist.get_rank(pp_group) if pp_group is not None else dist.get_rank(),
+        device=torch.device(device) if device is not None else default_device(),
+        blocks=default_blocks(sch),
     )
-    engine.table = stage_table(part.stages, default_blocks(sch), stage_to_rank)
-    if dist.get_rank() == 0:
-        tied = "; ".join(" = ".join(sorted(t.names)) + f" on stages {t.stages}" for t in ties)
-        get_logger().info(
-            "pipeline: %d stages, schedule %s, %d microbatches\n%s%s",
-            num_stages,
-            schedule_cls.__name__,
-            num_microbatches,
-            format_table(engine.table),
-            f"\ntied across stages (gradients summed): {tied}" if tied else "",
-        )
-    holder = nn.ModuleList(local.values())
+    engine = PipelineEngine(plan, FailTogether(_stages_of_rank(pp_groups, stage_to_rank), timeout))
+    if inputs is None:
+        # The stages wait for the first batch: the optimizer covers the model's parameters
+        # until then, and is narrowed to this rank's stage parameters when they are built.
+        opt = make_optimizer(model, optimizer, optimizer_kwargs)
+        if opt is not None:
+            engine._optimizers.append(opt)
+        return engine, opt
+    engine.build(
+        *((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), origin=_EXAMPLE
+    )
+    holder = nn.ModuleList(engine.stage_modules.values())
     return engine, make_optimizer(holder, optimizer, optimizer_kwargs)
 
 
-def _example_batch(sch: Schedule, example_inputs: Any) -> tuple[torch.Tensor, ...]:
-    inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
-    if inputs is None:
-        raise TargetError(
-            "pipeline: example_inputs= is required: one training batch as passed to "
-            "engine.step (the stages are traced on its first microbatch)"
-        )
-    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+def _batch_tensors(inputs: tuple[Any, ...], origin: str) -> tuple[torch.Tensor, ...]:
     if not inputs or not all(isinstance(x, torch.Tensor) and x.dim() > 0 for x in inputs):
         raise TargetError(
-            "pipeline: example_inputs= must be a tensor or a tuple of tensors with a batch "
+            f"pipeline: {origin} must be a tensor or a tuple of tensors with a batch "
             "dimension, as engine.step takes them"
         )
     return inputs
 
 
-def _first_microbatch(inputs: tuple[torch.Tensor, ...], n: int) -> tuple[torch.Tensor, ...]:
+def _first_microbatch(
+    inputs: tuple[torch.Tensor, ...], n: int, origin: str
+) -> tuple[torch.Tensor, ...]:
     batch = inputs[0].shape[0]
     if batch % n:
         raise TargetError(
             f"pipeline: num_microbatches={n} does not divide the batch of {batch} "
-            "(example_inputs=); pick a divisor"
+            f"({origin}); pick a divisor"
         )
     return tuple(x[: batch // n] for x in inputs)
 
@@ -323,11 +465,11 @@ def _forward_kwargs(model: nn.Module, given: dict[str, Any] | None) -> dict[str,
     return {"use_cache": False} if "use_cache" in params else {}
 
 
-def _positional_names(model: nn.Module, count: int) -> tuple[str, ...]:
-    """The names of the forward's first ``count`` positional parameters (``input_ids``, ...)."""
+def _positional_names(model: nn.Module) -> tuple[str, ...]:
+    """The names of the forward's positional parameters (``input_ids``, ...), in order."""
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = inspect.signature(model.forward).parameters.values()
-    return tuple(p.name for p in params if p.kind in kinds)[:count]
+    return tuple(p.name for p in params if p.kind in kinds)
 
 
 def _pp_groups(group: Any) -> tuple[dist.ProcessGroup | None, list[list[int]]]:

@@ -4,11 +4,14 @@ and give it back the original parameters, buffers and train/eval flags."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import re
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import fx, nn
 
+from ..logger import get_logger
 from ..surgery import label
 from .capture import call_args
 from .errors import TraceError
@@ -18,65 +21,167 @@ from .inline import inline_submodules
 from .leaves import Leaves, check_leaves
 from .rewrite import make_mode_aware
 
-__all__ = ["trace", "trace_module"]
+__all__ = ["TRACERS", "resolve_tracer", "trace", "trace_module"]
+
+
+# Tracer names: Slapo's own ("pytorch", "huggingface", "dynamo") beside torch's ("fx", "export").
+# None (the default) and "auto" choose by need; "huggingface" is fx-style too, and as transformers
+# layers take **kwargs (which fx cannot trace), it falls back to torch.export like "auto".
+TRACERS: dict[str, str] = {
+    "auto": "auto",
+    "fx": "fx",
+    "pytorch": "fx",
+    "huggingface": "auto",
+    "export": "export",
+    "dynamo": "export",
+}
+
+
+def resolve_tracer(tracer: str | None, example_inputs: Any = None, path: str = "") -> str:
+    """The tracing method for ``tracer``: ``"fx"``, ``"export"`` or ``"auto"`` (fx first, then
+    torch.export). ``None`` is ``"export"`` when example inputs are given, else ``"auto"``.
+
+    Example:
+        >>> resolve_tracer("pytorch"), resolve_tracer("dynamo"), resolve_tracer(None)
+        ('fx', 'export', 'auto')
+    """
+    if tracer is None:
+        return "auto" if example_inputs is None else "export"
+    if not isinstance(tracer, str) or tracer.lower() not in TRACERS:
+        raise TraceError(
+            f'trace of "{label(path)}": unknown tracer {tracer!r}; the tracers are '
+            f"{', '.join(repr(t) for t in TRACERS)} (or None to choose by need)"
+        )
+    return TRACERS[tracer.lower()]
 
 
 def trace_module(
-    mod: nn.Module,
+    model: nn.Module,
     example_inputs: Any = None,
     *,
     leaves: Leaves = (),
     flatten: bool = False,
-    tracer: str = "export",
+    tracer: str | None = None,
     concrete_args: dict[str, Any] | None = None,
     path: str = "",
+    infer_inputs: Callable[[], Any] | None = None,
 ) -> fx.GraphModule:
     """Trace ``mod`` into a ``torch.fx.GraphModule`` that keeps its submodule hierarchy.
 
     Args:
-        mod: the module to trace.
+        model: the module to trace.
         example_inputs: what ``mod`` is called with: a tensor, a tuple of positional arguments,
             a dict of keyword arguments, or ``(args_tuple, kwargs_dict)`` wrapped as
-            ``{"args": ..., "kwargs": ...}``. Required by ``tracer="export"``.
+            ``{"args": ..., "kwargs": ...}``. Given, the default tracer is torch.export.
         leaves: submodules kept as calls of the original module (paths, regexes, class names or
             classes). fx does not trace into them; torch.export still traces through them (they
             must be exportable) but keeps the original module object and call signature.
         flatten: inline traced submodules into one graph (leaves stay calls).
-        tracer: ``"export"`` (torch.export; handles transformers blocks) or ``"fx"``
-            (symbolic tracing, no inputs needed).
+        tracer: None or ``"auto"`` (default: torch.export when ``example_inputs`` are given;
+            otherwise fx, which needs no inputs, then torch.export where fx fails, e.g. on
+            transformers layers), ``"fx"``/``"pytorch"`` (symbolic tracing),
+            ``"export"``/``"dynamo"`` (torch.export), ``"huggingface"`` (like ``"auto"``).
         concrete_args: passed to fx symbolic tracing.
-        path: the module's path, used in error messages.
+        path: the module's path, used in error messages and in the log.
+        infer_inputs: called for example inputs when torch.export needs some and none were
+            given (the schedule captures them from the root's); else ``mod.dummy_inputs``.
+
+    Layers made by ``decompose`` are inlined into the graph of their caller, so that their
+    bias add can be matched with what follows it. One INFO line is logged per trace.
 
     Example:
         >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
-        >>> gm = trace_module(mlp, torch.randn(2, 4))
+        >>> gm = trace_module(mlp)  # fx: no inputs needed
         >>> isinstance(gm, fx.GraphModule), sorted(n for n, _ in gm.named_children())[:3]
         (True, ['0', '1', '2'])
     """
-    if tracer not in ("export", "fx"):
-        raise TraceError(f'tracer must be "export" or "fx", got {tracer!r}')
-    if tracer == "export" and concrete_args is not None:
-        raise TraceError("concrete_args only applies to tracer='fx'")
+    mod = model  # the reference API names the argument ``model``: trace_module(model=...)
+    method = resolve_tracer(tracer, example_inputs, path)
+    if concrete_args is not None:
+        if method == "export":
+            raise TraceError("concrete_args only applies to tracer='fx'")
+        method = "fx"
     check_leaves(mod, leaves, path)
+    start = time.perf_counter()
+    inline = [n for n, m in mod.named_modules() if getattr(m, "_slapo_inline_when_traced", False)]
     with _train_mode(mod):
-        if tracer == "fx":
-            gm = fx_trace(mod, leaves, flatten, concrete_args, path)
-        elif example_inputs is None:
-            raise TraceError(
-                f'tracing "{label(path)}" with torch.export needs example inputs: pass '
-                "example_inputs=..., or use tracer='fx'"
-            )
-        else:
-            args, kwargs = call_args(example_inputs)
-            gm = export_module(mod, args, kwargs, leaves, path)
+        used, gm, fallback = _capture(
+            mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs
+        )
         for sub in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
             make_mode_aware(sub)
-        if flatten and tracer == "export":  # the fx path traced one graph already
+        if flatten and used == "export":  # the fx path traced one graph already
             inline_submodules(gm, leaves)
             gm.delete_all_unused_submodules()
+        elif inline:
+            inline_submodules(gm, leaves, only=inline)
     _repoint_state(gm, mod)
     _restore_modes(mod, gm)
+    get_logger().info(
+        'traced "%s" (%s) with %s in %.2f s%s',
+        label(path),
+        type(mod).__name__,
+        "torch.export" if used == "export" else "torch.fx",
+        time.perf_counter() - start,
+        f" (fx could not: {_short(fallback)})" if fallback else "",
+    )
     return gm
+
+
+def _capture(
+    mod: nn.Module,
+    method: str,
+    example_inputs: Any,
+    leaves: Leaves,
+    flatten: bool,
+    concrete_args: dict[str, Any] | None,
+    path: str,
+    infer_inputs: Callable[[], Any] | None,
+) -> tuple[str, fx.GraphModule, str]:
+    """Trace with ``method``; returns the tracer used, the graph, and why fx failed (if so)."""
+    if method == "fx":
+        return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""
+    fx_reason = ""
+    if method == "auto":
+        try:
+            return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""
+        except TraceError as exc:
+            fx_reason = _reason(exc)
+    try:
+        if example_inputs is None:
+            example_inputs = _find_inputs(mod, path, infer_inputs)
+        args, kwargs = call_args(example_inputs)
+        return "export", export_module(mod, args, kwargs, leaves, path), fx_reason
+    except TraceError as exc:
+        if method == "export":
+            raise
+        raise TraceError(
+            f'cannot trace "{label(path)}" ({type(mod).__name__}) with fx nor with torch.export:'
+            f"\n  fx: {fx_reason}\n  torch.export: {_reason(exc)}"
+        ) from exc
+
+
+def _find_inputs(mod: nn.Module, path: str, infer_inputs: Callable[[], Any] | None) -> Any:
+    if infer_inputs is not None:
+        return infer_inputs()
+    dummy = getattr(mod, "dummy_inputs", None)
+    if dummy is not None:
+        return dict(dummy) if isinstance(dummy, dict) else dummy
+    raise TraceError(
+        f'tracing "{label(path)}" with torch.export needs example inputs: pass '
+        "example_inputs=..., or use tracer='fx'"
+    )
+
+
+def _short(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _reason(exc: TraceError) -> str:
+    """The message of ``exc`` on one line, without the "cannot trace <module> with <x>:" head."""
+    text = " ".join(str(exc).split())
+    head = re.match(r'cannot trace "[^"]*" \([^)]*\) with \w+: ', text)
+    return text[head.end() :] if head else text
 
 
 def trace(model: nn.Module, **kwargs: Any) -> fx.GraphModule:

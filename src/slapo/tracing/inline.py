@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from typing import Any
 
 from torch import fx
 
+from ..surgery import join_path
 from .leaves import Leaves, is_leaf
 
 __all__ = ["inline_submodules"]
 
 
-def inline_submodules(gm: fx.GraphModule, leaves: Leaves = ()) -> fx.GraphModule:
+def inline_submodules(
+    gm: fx.GraphModule, leaves: Leaves = (), only: Collection[str] | None = None
+) -> fx.GraphModule:
     """Inline every call of a child ``GraphModule`` (recursively) into ``gm``'s own graph.
 
     Children that are leaves (or not GraphModules) stay calls. Parameters keep their owners and
-    paths, so state_dict keys do not change.
+    paths, so state_dict keys do not change. With ``only``, just the calls of the submodules at
+    those paths (relative to ``gm``) are inlined, each into the graph that calls it.
 
     Example:
         >>> from torch import nn
@@ -25,6 +30,8 @@ def inline_submodules(gm: fx.GraphModule, leaves: Leaves = ()) -> fx.GraphModule
         >>> [n.target for n in inline_submodules(gm).graph.nodes if n.op == "call_module"]
         ['0.0']
     """
+    if only is not None:
+        return _inline_only(gm, set(only))
     changed = True
     while changed:
         changed = False
@@ -38,6 +45,25 @@ def inline_submodules(gm: fx.GraphModule, leaves: Leaves = ()) -> fx.GraphModule
             changed = True
     gm.graph.lint()
     gm.recompile()
+    return gm
+
+
+def _inline_only(gm: fx.GraphModule, paths: set[str]) -> fx.GraphModule:
+    for prefix, owner in list(gm.named_modules()):
+        if not isinstance(owner, fx.GraphModule):
+            continue
+        calls = [
+            n
+            for n in owner.graph.nodes
+            if n.op == "call_module"
+            and join_path(prefix, str(n.target)) in paths
+            and isinstance(owner.get_submodule(str(n.target)), fx.GraphModule)
+        ]
+        for node in calls:
+            _inline_one(owner, node, owner.get_submodule(str(node.target)))
+        if calls:
+            owner.graph.lint()
+            owner.recompile()
     return gm
 
 
