@@ -1,14 +1,24 @@
 """RoundPipe runtime overhead against plain PyTorch training on CPU, and planner stage tables.
 
-Runs both side by side in one process: the same MLP, the same data, the same number of
-optimizer steps. On CPU virtual devices RoundPipe copies every stage's weights in and its
-gradients out, so the ratio measures the runtime's bookkeeping and copy cost.
+Runs everything side by side in one process, interleaved round by round: the same MLP, the same
+data, the same number of optimizer steps.
 
-    .venv/bin/python benchmarks/roundpipe_overhead.py
+* **recompute off**: one fused stage holds every layer, so nothing is recomputed and, with no
+  pipeline to fill, the batch goes through as one microbatch. The ratio to plain PyTorch is the
+  runtime's own cost: stage bookkeeping, thread handoffs, gradient hand-over and the optimizer
+  copy-back (parameters are used in place on CPU virtual devices, so no weight copies).
+* **recompute on**: the planner's stages (one layer each here) with ``ndev + 1`` microbatches:
+  every forward stage but the last is recomputed in backward (about one more forward pass), and
+  the microbatches split each matmul into smaller ones. The row "plain PyTorch, N microbatches"
+  shows what the microbatch split alone costs plain PyTorch.
+
+    .venv/bin/python benchmarks/roundpipe_overhead.py [--recompute off|on|both] [--rounds N]
+        [--ndev 2] [--threads T] [--no-tables]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import time
@@ -55,8 +65,21 @@ def interleaved(
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def _one_stage(n_layers: int) -> ModelExecutePlan:
+    """Every layer in the fused stage: forward and backward in one pass, nothing recomputed."""
+    plan = ModelExecutePlan()
+    plan.fwd_plan = [range(0, n_layers)]
+    plan.bwd_plan = [range(0, n_layers)]
+    return plan
+
+
 def overhead(
-    n_layers: int = 8, width: int = 1024, batch: int = 64, rounds: int = 5, ndev: int = 2
+    n_layers: int = 8,
+    width: int = 1024,
+    batch: int = 64,
+    rounds: int = 5,
+    ndev: int = 2,
+    recompute: str = "both",
 ) -> None:
     roundpipe.init_devices(num_virtual=ndev)
     ref = make_mlp(n_layers, width)
@@ -69,48 +92,62 @@ def overhead(
         ref_opt.zero_grad()
 
     n_mb = ndev + 1
-    runners: dict[str, Callable[[], None]] = {"plain PyTorch (torch Adam)": torch_step}
+
+    def torch_microbatched_step() -> None:
+        for xb, yb in zip(x.tensor_split(n_mb), y.tensor_split(n_mb)):
+            (nn.functional.mse_loss(ref(xb), yb) / n_mb).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+
+    base = "plain PyTorch (torch Adam)"
+    runners: dict[str, Callable[[], None]] = {base: torch_step}
     finishers: dict[str, Callable[[], None]] = {}
-    models = []
-    for label, make_opt, is_async in (
-        ("RoundPipe sync (torch Adam)", torch.optim.Adam, False),
-        ("RoundPipe async (torch Adam)", torch.optim.Adam, True),
-        ("RoundPipe async (C++ Adam)", None, True),
-    ):
-        if make_opt is None:
-            try:
-                from roundpipe.optim import Adam as make_opt
-            except ImportError:
-                continue
-        model = RoundPipe(
-            copy.deepcopy(ref),
-            pin_model="off",
-            model_run_config=RoundPipeRunConfig(num_microbatch=n_mb),
-        )
-        opt = make_opt(model.optim_parameters(), lr=1e-4)
-        models.append(model)
-
-        def rp_step(model=model, opt=opt, is_async=is_async) -> None:
-            model.forward_backward(
-                (x,), label=y, loss_fn=lambda o, t: nn.functional.mse_loss(o, t) / n_mb
+    modes = ("off", "on") if recompute == "both" else (recompute,)
+    if "on" in modes:
+        runners[f"plain PyTorch, {n_mb} microbatches"] = torch_microbatched_step
+    models = {}
+    for mode in modes:
+        mbs = 1 if mode == "off" else n_mb
+        plan = _one_stage(n_layers) if mode == "off" else None
+        for opt_name, make_opt, is_async in (
+            ("torch Adam", torch.optim.Adam, False),
+            ("torch Adam", torch.optim.Adam, True),
+            ("C++ Adam", roundpipe.Adam, True),
+        ):
+            label = f"RP recompute {mode} {'async' if is_async else 'sync'} ({opt_name})"
+            model = RoundPipe(
+                copy.deepcopy(ref),
+                pin_model="off",
+                model_run_config=RoundPipeRunConfig(num_microbatch=mbs, execute_plan=plan),
             )
-            model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+            opt = make_opt(model.optim_parameters(), lr=1e-4)
+            models[label] = model
 
-        runners[label] = rp_step
-        finishers[label] = model.synchronize
+            def rp_step(model=model, opt=opt, is_async=is_async, mbs=mbs) -> None:
+                model.forward_backward(
+                    (x,), label=y, loss_fn=lambda o, t: nn.functional.mse_loss(o, t) / mbs
+                )
+                model.step(lambda: (opt.step(), opt.zero_grad()), is_async=is_async)
+
+            runners[label] = rp_step
+            finishers[label] = model.synchronize
     times = interleaved(runners, finishers, rounds)
-    for m in models:
+    for m in models.values():
         m.synchronize()
     params = sum(p.numel() for p in ref.parameters())
     print(
-        f"MLP {n_layers}x{width} ({params / 1e6:.1f}M params), batch {batch}, {ndev} CPU virtual devices, "
-        f"{n_mb} microbatches, {torch.get_num_threads()} intra-op threads, median of {rounds} interleaved rounds"
+        f"MLP {n_layers}x{width} ({params / 1e6:.1f}M params), batch {batch}, {ndev} CPU virtual "
+        f"devices, {torch.get_num_threads()} intra-op threads, median of {rounds} interleaved "
+        "rounds of 3 steps"
     )
-    base = times["plain PyTorch (torch Adam)"]
-    print(f"{'runner':<32}{'s/step':>10}{'ratio':>8}")
+    print(f"{'runner':<44}{'s/step':>10}{'ratio':>8}")
     for name, t in times.items():
-        print(f"{name:<32}{t:>10.4f}{t / base:>8.2f}")
-    print(f"plan used: {ModelExecutePlan.auto('fused', models[0])}")
+        print(f"{name:<44}{t:>10.4f}{times[base] and t / times[base]:>8.2f}")
+    for label, model in models.items():
+        if label.endswith("async (C++ Adam)"):
+            cfg = model.model_run_config
+            plan = cfg.execute_plan or ModelExecutePlan.auto("fused", model)
+            print(f"plan, {label.split(' async')[0]}: {plan}, {cfg.num_microbatch} microbatch(es)")
 
 
 def stage_tables(n_layers: int = 32, ndev: int = 4) -> None:
@@ -142,5 +179,20 @@ def stage_tables(n_layers: int = 32, ndev: int = 4) -> None:
 
 
 if __name__ == "__main__":
-    overhead()
-    stage_tables()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recompute", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ndev", type=int, default=2)
+    parser.add_argument("--no-tables", action="store_true", help="skip the planner stage tables")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="intra-op threads (default: torch's); 1 is steadier on a machine others load",
+    )
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    overhead(rounds=args.rounds, ndev=args.ndev, recompute=args.recompute)
+    if not args.no_tables:
+        stage_tables()

@@ -1,6 +1,7 @@
 """Per-layer and per-parameter bookkeeping that orders device, main and optimizer threads.
 
-The asynchronous step keeps a separate optimizer copy of every parameter. Per layer:
+The asynchronous step keeps a separate optimizer copy of every trainable parameter (a frozen
+one has none: it is uploaded, never downloaded nor copied back). Per layer:
 
 * the optimizer takes the layer's gradients when step ``k`` starts (``grads_taken = k``);
   a later backward must wait for that before writing new gradients;
@@ -25,7 +26,12 @@ __all__ = ["LayerAttribute", "ParamAttribute"]
 
 
 class ParamAttribute:
-    """Optimizer copy and gradient lock of one model parameter (possibly shared by layers)."""
+    """Optimizer copy and gradient lock of one model parameter (possibly shared by layers).
+
+    Only a parameter that requires grad when it is wrapped gets an optimizer copy (``optim``);
+    a frozen one (e.g. the base weights of a LoRA model) has ``optim = None``: it is uploaded
+    for compute but never gets a copy, optimizer state, a gradient download or a copy-back.
+    """
 
     def __init__(self) -> None:
         self.optim: nn.Parameter | None = None
@@ -49,14 +55,24 @@ class ParamAttribute:
     def set(
         cls, t: nn.Parameter, layer_id: int | None, optim_dtype: torch.dtype | None = None
     ) -> ParamAttribute:
-        """Attach (or extend) a ParamAttribute, creating the optimizer copy on first use."""
+        """Attach (or extend) a ParamAttribute; on first use, a trainable ``t`` gets its
+        optimizer copy (a frozen one none: it is never stepped).
+
+        Example:
+            >>> frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+            >>> ParamAttribute.set(frozen, 0).optim is None
+            True
+            >>> ParamAttribute.set(nn.Parameter(torch.ones(2)), 0).optim.shape
+            torch.Size([2])
+        """
         if cls.has(t):
             attr = cls.get(t)
         else:
             attr = cls()
             t._roundpipe_attr = attr  # type: ignore[attr-defined]
-            data = t.detach().to(dtype=optim_dtype or t.dtype, copy=True)
-            attr.optim = nn.Parameter(data, requires_grad=t.requires_grad)
+            if t.requires_grad:
+                data = t.detach().to(dtype=optim_dtype or t.dtype, copy=True)
+                attr.optim = nn.Parameter(data)
         if layer_id is not None:
             attr.layer_ids.add(layer_id)
         return attr
@@ -144,8 +160,15 @@ class LayerAttribute:
                 with attr.grad_lock:
                     g = p.grad
                     p.grad = None
-                if g is None or attr.optim is None:
+                if g is None:
                     continue
+                if attr.optim is None:
+                    raise RuntimeError(
+                        f"{self.name}: a parameter of shape {tuple(p.shape)} received a gradient "
+                        "but has no optimizer copy: it was frozen (requires_grad=False) when the "
+                        "model was wrapped. Set requires_grad before wrapping the model with "
+                        "RoundPipe (then build the optimizer over model.optim_parameters())"
+                    )
                 if attr.optim.grad is None:
                     # the model no longer references g: hand it over without a copy
                     attr.optim.grad = g.to(attr.optim.dtype)
@@ -179,7 +202,9 @@ class LayerAttribute:
             try:
                 with self.param_lock, torch.no_grad():
                     for p in self.params:
-                        p.copy_(ParamAttribute.get(p).optim)  # type: ignore[arg-type]
+                        optim = ParamAttribute.get(p).optim
+                        if optim is not None:  # frozen parameters never change
+                            p.copy_(optim)
             finally:
                 with self.cond:
                     self.copied = max(self.copied, pending[0])

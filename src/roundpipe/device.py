@@ -1,14 +1,29 @@
-"""Devices that RoundPipe streams layers to, one worker thread each.
+"""Devices that RoundPipe streams layers to: a worker thread, an uploader thread and copy engines
+each.
 
 Two backends share one interface:
 
-* ``cuda``: one :class:`DeviceManager` per GPU with upload / compute / download streams and
-  events; host buffers are pinned so copies run asynchronously.
+* ``cuda``: one :class:`DeviceManager` per GPU with streams ``param_upstream`` (stage parameters,
+  host -> device), ``upstream`` (activations in), ``compute_stream``, ``downstream`` (activations
+  out) and ``grad_downstream`` (gradients out); host buffers are pinned so copies run
+  asynchronously, and events order the streams.
 * ``cpu``: *virtual* devices (``ROUNDPIPE_VIRTUAL_DEVICES=N``, the default when no GPU exists).
-  "Device memory" is ordinary CPU memory, copies are real copies, streams and events are
-  no-ops (CPU ops complete synchronously), and an optional per-device budget
-  (``ROUNDPIPE_DEVICE_MEMORY``, e.g. ``"64MiB"``) is enforced on the bytes RoundPipe keeps
-  resident: uploading more than the budget raises :class:`DeviceMemoryError`.
+  "Device memory" is ordinary CPU memory: stage parameters are used in place (no copy is needed
+  where host and device memory are one), activations and buffers are copied. Each device has two
+  copy engines (:mod:`roundpipe.link`), host -> device and device -> host, whose lanes stand in for
+  the CUDA copy streams. With ``ROUNDPIPE_VIRTUAL_LINK_GBPS`` every transfer holds its engine for
+  ``bytes / bandwidth`` of wall time on the engine's own thread, so transfers overlap compute as
+  DMA does on a GPU; without it, copies run inline at no extra cost.
+
+An optional per-device budget (``ROUNDPIPE_DEVICE_MEMORY``, e.g. ``"64MiB"``) is enforced on the
+bytes RoundPipe keeps resident: uploading more than the budget raises :class:`DeviceMemoryError`.
+
+**Overlap.** Where copies are asynchronous (CUDA, or a modelled link), a device prepares the
+upload of its next queued stage on its uploader thread while its worker computes the current one
+(*prefetch*); a stage whose upload does not fit the budget beside the running one is uploaded when
+it starts (never a wait for memory). A stage's gradients download on the d2h copy engine while
+the next stage computes. ``ROUNDPIPE_PREFETCH=0`` turns prefetch off (read at each RoundPipe
+call); gradient downloads stay asynchronous.
 
 Nothing here runs at import time: devices are created on first use (or by
 :func:`init_devices`), so importing RoundPipe never touches an accelerator.
@@ -19,36 +34,59 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .threads import RoundPipeThread, RunState, get_wait_timeout, wait_until
+from .link import TRACE_LIMIT, CopyEngine, CopyEvent, TraceRecord, check_gbps, link_gbps_from_env
+from .threads import RoundPipeThread, RunState, get_wait_timeout, wait_event, wait_until
 from .utils import parse_bytes
 
 __all__ = [
+    "PREFETCH_ENV",
     "DeviceManager",
     "DeviceMemoryError",
-    "InterStreamMemManager",
     "MemoryAccount",
     "UPLOAD_MARK_LIMIT",
     "cur_device",
     "device_list",
-    "gc_collect",
     "get_devices",
     "get_min_gpu_memory",
     "get_next_device",
     "get_num_devices",
     "init_devices",
+    "prefetch_enabled",
     "shutdown_devices",
+    "wait_devices_idle",
 ]
 
 GB = 1024**3
-# most upload-stream events a device keeps (DeviceManager.mark_upload)
+# most pending stage-upload events a device keeps (DeviceManager.mark_upload)
 UPLOAD_MARK_LIMIT = 64
+PREFETCH_ENV = "ROUNDPIPE_PREFETCH"
+
+
+def prefetch_enabled() -> bool:
+    """Whether RoundPipe overlaps transfers with compute: ``ROUNDPIPE_PREFETCH`` is ``1`` (the
+    default) or ``0``.
+
+    On: a device uploads its next stage while it computes the current one. Off: each stage
+    uploads when it starts, so upload and compute times add up. Either way the results are the
+    same, and gradients download in the background; only devices with asynchronous copies (CUDA,
+    a modelled link) have anything to overlap.
+
+    Example:
+        >>> os.environ[PREFETCH_ENV] = "0"; prefetch_enabled()
+        False
+        >>> del os.environ[PREFETCH_ENV]; prefetch_enabled()
+        True
+    """
+    raw = os.environ.get(PREFETCH_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{PREFETCH_ENV} must be 0 (off) or 1 (on), got {raw!r}")
+    return raw == "1"
 
 
 class DeviceMemoryError(MemoryError):
@@ -70,6 +108,21 @@ class MemoryAccount:
         self.resident = 0
         self.peak = 0
         self._lock = threading.Lock()
+
+    def try_allocate(self, nbytes: int) -> bool:
+        """Account ``nbytes`` more resident bytes if they fit the budget; say whether they did.
+
+        Example:
+            >>> acc = MemoryAccount("dev0", budget=100)
+            >>> acc.try_allocate(60), acc.try_allocate(60), acc.resident
+            (True, False, 60)
+        """
+        with self._lock:
+            if self.budget is not None and self.resident + nbytes > self.budget:
+                return False
+            self.resident += nbytes
+            self.peak = max(self.peak, self.resident)
+            return True
 
     def allocate(self, nbytes: int, what: str) -> None:
         """Account ``nbytes`` more resident bytes, or raise if the budget would overflow."""
@@ -96,7 +149,8 @@ class MemoryAccount:
 
 
 class _NullStream:
-    """Stream stand-in for CPU virtual devices, where every op completes synchronously."""
+    """Compute "stream" of a CPU virtual device: its worker thread, where every op completes
+    before the next starts (work that must wait for a copy waits on the copy's event)."""
 
     def synchronize(self) -> None:
         pass
@@ -107,122 +161,125 @@ class _NullStream:
     def wait_event(self, event: Any) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _DoneEvent:
-        return _DoneEvent()
+    def record_event(self, event: Any = None) -> CopyEvent:
+        return CopyEvent()
 
 
-class _DoneEvent:
-    """Event stand-in for CPU virtual devices: always complete."""
+class _Job:
+    """One queued stage job and, when it has a ``prepare`` callable, the upload prepared for it
+    on the device's uploader thread (``prepared``, or ``error``; ``ready`` once either is set)."""
 
-    def record(self, stream: Any = None) -> None:
-        pass
+    __slots__ = (
+        "state",
+        "what",
+        "fn",
+        "args",
+        "prepare",
+        "ready",
+        "prepared",
+        "error",
+        "claimed",
+        "staged",
+    )
 
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-
-class InterStreamMemManager:
-    """Keeps storages alive until every stream that used them has passed a marker event.
-
-    On CUDA, freeing a tensor allocated on one stream while another stream still reads it
-    would let the caching allocator hand the memory out too early; holding a reference until
-    an event recorded on each using stream completes prevents that (the alternative to
-    ``Tensor.record_stream``). On CPU virtual devices the markers are always complete, so a
-    storage is released at the next :meth:`stream_synced`.
-
-    Example:
-        >>> mm = InterStreamMemManager()
-        >>> mm.free(torch.ones(4).untyped_storage(), _NullStream())
-        >>> len(mm.free_queue), (mm.stream_synced(), len(mm.free_queue))[1]
-        (1, 0)
-    """
-
-    def __init__(self, *streams: Any) -> None:
-        self.streams = streams
-        self.free_queue: list[tuple[Any, list[Any]]] = []
-        self.in_use: dict[int, tuple[Any, list[Any]]] = {}
-        self._lock = threading.Lock()
-
-    def record_stream(self, tensor: torch.Tensor, from_stream: Any, use_stream: Any) -> None:
-        """Note that ``tensor`` (last used on ``from_stream``) is now used on ``use_stream``."""
-        storage = tensor.untyped_storage()
-        with self._lock:
-            _, used = self.in_use.setdefault(storage.data_ptr(), (storage, [from_stream]))
-            if used[-1] is not from_stream:
-                raise RuntimeError("record_stream: the tensor was last used on another stream")
-            used.append(use_stream)
-
-    def free(self, storage: Any, *use_streams: Any) -> None:
-        """Hold ``storage`` until all ``use_streams`` have finished the work queued so far."""
-        if not use_streams:
-            return
-        events = [s.record_event() for s in use_streams]
-        with self._lock:
-            self.free_queue.append((storage, events))
-
-    def stream_synced(self, waiter: Any = None, wait_for: Any = None) -> None:
-        """Release every held storage whose marker events completed."""
-        with self._lock:
-            self.free_queue = [e for e in self.free_queue if not all(ev.query() for ev in e[1])]
-
-    def flush(self) -> None:
-        """Move every tracked in-use storage to the free queue."""
-        with self._lock:
-            tracked, self.in_use = list(self.in_use.values()), {}
-        for storage, streams in tracked:
-            self.free(storage, *streams)
-
-    def free_all(self) -> None:
-        """Forget everything (call only when all streams are idle)."""
-        with self._lock:
-            self.free_queue.clear()
-            self.in_use.clear()
+    def __init__(
+        self,
+        state: RunState,
+        what: str,
+        fn: Callable[..., None],
+        args: tuple,
+        prepare: Callable[[], Any] | None,
+    ) -> None:
+        self.state = state
+        self.what = what
+        self.fn = fn
+        self.args = args
+        self.prepare = prepare
+        self.ready: threading.Event | None = None  # set once the preparation was requested
+        self.prepared: Any = None
+        self.error: BaseException | None = None
+        self.claimed = False
+        self.staged = False  # the job holds its stage: the next job may be prepared
 
 
 class DeviceManager:
-    """Streams, memory account and worker thread of one device.
+    """Streams (or copy engines), memory account and threads of one device.
 
-    The worker executes queued jobs one at a time; a job's exception is recorded in its
-    :class:`~roundpipe.threads.RunState` (never lost), which stops the whole run. Which
-    jobs exist is not this module's business: :mod:`roundpipe.run` queues its stage jobs
-    here with :meth:`submit`, so devices sit below the runtime in the import layers.
+    The worker thread executes queued jobs one at a time; a job's exception is recorded in its
+    :class:`~roundpipe.threads.RunState` (never lost), which stops the whole run. Which jobs
+    exist is not this module's business: :mod:`roundpipe.run` queues its stage jobs here with
+    :meth:`submit`, so devices sit below the runtime in the import layers.
+
+    A job may come with a ``prepare`` callable (the stage's upload). Where copies are
+    asynchronous (:attr:`async_copies`), once the running job holds its own stage it calls
+    :meth:`prefetch_next`, and the uploader thread runs ``prepare`` for the job queued behind it,
+    so the next stage's parameters move while the current stage computes; that job collects the
+    result with :meth:`take_prepared` (None: prepare found no room, the job uploads itself). The
+    running job always gets its memory before the next one can take any. A prepared result the
+    job never claimed (it was skipped after a failure) is freed when the job ends.
+
+    ``trace`` keeps the latest :data:`~roundpipe.link.TRACE_LIMIT` spans of transfers run by the
+    copy engines and of stage computes (:class:`~roundpipe.link.TraceRecord`).
     """
 
-    def __init__(self, id: int, device: torch.device, budget: int | None = None) -> None:
+    def __init__(
+        self,
+        id: int,
+        device: torch.device,
+        budget: int | None = None,
+        link_gbps: float | None = None,
+    ) -> None:
         self.id = id
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.supports_pinning = self.is_cuda
+        if link_gbps is not None and self.is_cuda:
+            raise ValueError("the link model is for CPU virtual devices; a GPU has a real link")
+        self.link_gbps = link_gbps
+        # copies run beside compute: the next stage can be prefetched
+        self.async_copies = self.is_cuda or link_gbps is not None
         self.shutdown = False
         self.memory = MemoryAccount(f"{device.type}:{id}", budget)
+        self.trace: collections.deque[TraceRecord] = collections.deque(maxlen=TRACE_LIMIT)
+        name = f"device-{id}"
         if self.is_cuda:
             with torch.cuda.device(device):
                 self.param_upstream: Any = torch.cuda.Stream(device)
                 self.upstream: Any = torch.cuda.Stream(device)
                 self.compute_stream: Any = torch.cuda.Stream(device)
                 self.downstream: Any = torch.cuda.Stream(device)
+                self.grad_downstream: Any = torch.cuda.Stream(device)
+            self.h2d: CopyEngine | None = None  # copies are issued on the streams above
+            # gradient downloads land on the host (accumulated, device copies freed) here,
+            # once their event completed, while the worker computes on
+            self.d2h = CopyEngine(f"{name} d2h", threaded=True, trace=self.trace)
         else:
-            self.param_upstream = self.upstream = _NullStream()
-            self.compute_stream = self.downstream = _NullStream()
-        self.mem_manager = InterStreamMemManager(
-            self.param_upstream, self.upstream, self.compute_stream, self.downstream
-        )
-        # events on the upload stream still pending (see mark_upload); bounded
+            threaded = link_gbps is not None
+            self.h2d = CopyEngine(f"{name} h2d", link_gbps, threaded, self.trace)
+            self.d2h = CopyEngine(f"{name} d2h", link_gbps, threaded, self.trace)
+            self.param_upstream = self.h2d.bulk
+            self.upstream = self.h2d.express
+            self.compute_stream = _NullStream()
+            self.downstream = self.d2h.express
+            self.grad_downstream = self.d2h.bulk
+        # pending stage-upload events (mark_upload); bounded
         self.upload_mark: collections.deque[Any] = collections.deque(maxlen=UPLOAD_MARK_LIMIT)
         self._mark_lock = threading.Lock()
-        self.jobs: queue.Queue = queue.Queue()
-        self.cur_job: tuple | None = None
-        self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-device-{id}")
+        self._cv = threading.Condition()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._uploads: collections.deque[_Job] = collections.deque()
+        self._uploading: _Job | None = None
+        self.cur_job: _Job | None = None
+        self.controller_thread = RoundPipeThread(self.controller, name=f"roundpipe-{name}")
         self.controller_thread.start()
+        self.uploader_thread: RoundPipeThread | None = None
+        if self.async_copies:
+            self.uploader_thread = RoundPipeThread(self._uploader, name=f"roundpipe-{name}-upload")
+            self.uploader_thread.start()
 
     def __repr__(self) -> str:
-        return f"DeviceManager({self.device}, id={self.id}, budget={self.memory.budget})"
+        link = f", link={self.link_gbps} GB/s" if self.link_gbps is not None else ""
+        return f"DeviceManager({self.device}, id={self.id}, budget={self.memory.budget}{link})"
 
     # -- streams and events -------------------------------------------------------------
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
@@ -232,37 +289,41 @@ class DeviceManager:
         return contextlib.nullcontext()
 
     def new_event(self) -> Any:
-        """A fresh event on this device (always-complete stand-in on CPU)."""
-        return torch.cuda.Event() if self.is_cuda else _DoneEvent()
+        """A fresh event on this device: a CUDA event, or a :class:`~roundpipe.link.CopyEvent`
+        that a copy lane completes (``event.record(lane)``)."""
+        return torch.cuda.Event() if self.is_cuda else CopyEvent()
 
     def wait_stream(self, waiter: Any, wait_for: Any) -> None:
         """Make ``waiter`` wait for all work queued on ``wait_for``."""
         waiter.wait_stream(wait_for)
-        self.mem_manager.stream_synced(waiter, wait_for)
 
-    def mark_upload(self) -> None:
-        """Record an event on the upload stream after enqueuing host-to-device copies.
+    def hold_link(self, lane: Any, kind: str, what: str, nbytes: int) -> None:
+        """Occupy ``lane``'s link (a CPU copy lane) for a transfer of ``nbytes`` in the calling
+        thread, which waits for that transfer anyway: the modelled link time of a copy it made
+        itself (:meth:`roundpipe.link.CopyLane.hold`). No-op without a link."""
+        if self.link_gbps is not None and nbytes:
+            lane.hold(kind, what, nbytes)
 
-        Only events still pending are kept: the marks are recorded in order on one stream,
-        which completes them in order, so completed ones are dropped from the front, and past
-        :data:`UPLOAD_MARK_LIMIT` pending marks the oldest is dropped (waiting for a newer
-        mark covers it). The list therefore stays bounded for the life of the process.
+    def mark_upload(self, event: Any) -> None:
+        """Remember ``event``, the completion of a stage upload, until it completes.
+
+        Only events still pending are kept: stage uploads complete in order on their lane /
+        stream, so completed marks are dropped from the front, and past
+        :data:`UPLOAD_MARK_LIMIT` pending marks the oldest is dropped (waiting for a newer mark
+        covers it). The list therefore stays bounded for the life of the process.
 
         Example:
             >>> dev = DeviceManager(0, torch.device("cpu"))
             >>> for _ in range(1000):
-            ...     dev.mark_upload()
-            >>> len(dev.upload_mark)  # CPU marks complete at once
+            ...     dev.mark_upload(CopyEvent())
+            >>> len(dev.upload_mark)  # complete marks are dropped: only the newest is kept
             1
             >>> dev.shutdown_controller()
         """
-        ev = self.new_event()
-        if self.is_cuda:
-            ev.record(self.upstream)
         with self._mark_lock:
             while self.upload_mark and self.upload_mark[0].query():
                 self.upload_mark.popleft()
-            self.upload_mark.append(ev)
+            self.upload_mark.append(event)
 
     def flush_upload_marks(self) -> list[Any]:
         """Return the still-pending upload events and clear the list."""
@@ -272,41 +333,145 @@ class DeviceManager:
         return [m for m in marks if not m.query()]
 
     def synchronize(self) -> None:
-        """Block the calling thread until all streams of this device are idle."""
+        """Block the calling thread until this device's copies and kernels are complete."""
+        for ev in self.flush_upload_marks():
+            ev.synchronize()
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+        for engine in (self.h2d, self.d2h):
+            if engine is not None:
+                engine.wait_idle()
+
+    def drain_downloads(self) -> None:
+        """Wait until the gradient downloads in flight landed (and freed their stages)."""
+        self.d2h.wait_idle()
 
     # -- jobs ---------------------------------------------------------------------------
-    def submit(self, state: RunState, what: str, fn: Callable[..., None], *args: Any) -> None:
-        """Queue ``fn(*args)`` on this device's worker, tracked by ``state``."""
+    def submit(
+        self,
+        state: RunState,
+        what: str,
+        fn: Callable[..., None],
+        *args: Any,
+        prepare: Callable[[], Any] | None = None,
+    ) -> None:
+        """Queue ``fn(*args)`` on this device's worker, tracked by ``state``; ``prepare`` (run
+        on the uploader thread ahead of the job, see :meth:`take_prepared`) is used only where
+        copies are asynchronous."""
         if self.shutdown:
             raise RuntimeError(f"{self} has been shut down")
+        job = _Job(state, what, fn, args, prepare if self.async_copies else None)
         state.add_jobs(1)
-        self.jobs.put((state, what, fn, args))
+        with self._cv:
+            self._queue.append(job)
+            running = self.cur_job
+            if running is not None and running.staged and self._queue[0] is job:
+                self._request(job)  # the next job: prepare it while the current one runs
+            self._cv.notify_all()
+
+    def _request(self, job: _Job) -> None:
+        """Queue ``job``'s preparation on the uploader (caller holds ``_cv``)."""
+        if job.prepare is not None and job.ready is None:
+            job.ready = threading.Event()
+            self._uploads.append(job)
+            self._cv.notify_all()
+
+    def prefetch_next(self) -> None:
+        """In a job that now holds its stage: start preparing the next queued job."""
+        with self._cv:
+            job = self.cur_job
+            if job is None or threading.current_thread() is not self.controller_thread:
+                return
+            job.staged = True
+            if self._queue:
+                self._request(self._queue[0])
+
+    def take_prepared(self, state: RunState | None = None) -> Any:
+        """In a job: the result of its ``prepare`` (waiting for the uploader), or None when it
+        has none. Re-raises the preparation's error."""
+        job = self.cur_job
+        if (
+            job is None
+            or job.ready is None
+            or threading.current_thread() is not self.controller_thread
+        ):
+            return None
+        wait_event(job.ready, f"the upload of {job.what}", state)
+        job.claimed = True
+        if job.error is not None:
+            raise job.error
+        return job.prepared
+
+    def _release(self, job: _Job) -> None:
+        """Free what the uploader prepared for ``job`` if the job never claimed it."""
+        if job.ready is None or job.claimed:
+            return
+        wait_event(job.ready, f"the upload of {job.what}")
+        free = getattr(job.prepared, "free", None)
+        job.prepared = None
+        if free is not None:
+            free()
 
     def controller(self) -> None:
         """Worker loop: run queued jobs until shut down."""
         thread = threading.current_thread()
-        while not self.shutdown:
-            try:
-                item = self.jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if item is None:
-                break
-            state, what, fn, args = item
-            self.cur_job = item
+        while True:
+            with self._cv:
+                while not self._queue and not self.shutdown:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+                self.cur_job = job
             thread.is_active = True  # type: ignore[attr-defined]
             try:
-                if not state.failed():
+                if not job.state.failed():
                     with self._job_scope():
-                        fn(*args)
+                        job.fn(*job.args)
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                state.fail(exc, f"worker {thread.name} ({what})")
+                job.state.fail(exc, f"worker {thread.name} ({job.what})")
+            finally:
+                try:
+                    self._release(job)
+                except BaseException as exc:  # noqa: BLE001
+                    job.state.fail(exc, f"worker {thread.name} ({job.what})")
+                thread.is_active = False  # type: ignore[attr-defined]
+                with self._cv:
+                    self.cur_job = None
+                    self._cv.notify_all()
+                job.state.job_done()
+
+    def _uploader(self) -> None:
+        """Uploader loop: prepare (upload) stages in job order, ahead of the worker."""
+        thread = threading.current_thread()
+        while True:
+            with self._cv:
+                while not self._uploads and not self.shutdown:
+                    self._cv.wait()
+                if not self._uploads:
+                    return
+                job = self._uploads.popleft()
+                self._uploading = job
+            thread.is_active = True  # type: ignore[attr-defined]
+            try:
+                if not job.state.failed():
+                    with self._device_scope():
+                        job.prepared = job.prepare()  # type: ignore[misc]
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the job itself
+                job.error = exc
             finally:
                 thread.is_active = False  # type: ignore[attr-defined]
-                self.cur_job = None
-                state.job_done()
+                assert job.ready is not None
+                job.ready.set()
+                with self._cv:
+                    self._uploading = None
+                    self._cv.notify_all()
+
+    def _device_scope(self) -> contextlib.AbstractContextManager:
+        """Make this device current (CUDA); nothing to set up on CPU."""
+        if not self.is_cuda:
+            return contextlib.nullcontext()
+        return torch.cuda.device(self.device)
 
     def _job_scope(self) -> contextlib.AbstractContextManager:
         """Jobs compute on this device's compute stream (CUDA); nothing to set up on CPU."""
@@ -317,11 +482,25 @@ class DeviceManager:
         stack.enter_context(torch.cuda.stream(self.compute_stream))
         return stack
 
+    def idle(self) -> bool:
+        """Whether no job is queued or running and no transfer is in flight."""
+        with self._cv:
+            if self._queue or self.cur_job is not None or self._uploads or self._uploading:
+                return False
+        return not any(e is not None and e.busy() for e in (self.h2d, self.d2h))
+
     def shutdown_controller(self) -> None:
-        """Stop the worker thread after its queued jobs."""
-        self.shutdown = True
-        self.jobs.put(None)
-        self.controller_thread.join(timeout=get_wait_timeout())
+        """Stop the worker and uploader threads after their queued work, then the engines."""
+        with self._cv:
+            self.shutdown = True
+            self._cv.notify_all()
+        timeout = get_wait_timeout()
+        self.controller_thread.join(timeout=timeout)
+        if self.uploader_thread is not None:
+            self.uploader_thread.join(timeout=timeout)
+        for engine in (self.h2d, self.d2h):
+            if engine is not None:
+                engine.shutdown()
 
 
 device_list: list[DeviceManager] = []
@@ -338,6 +517,7 @@ def init_devices(
     num_virtual: int | None = None,
     memory_limit: int | str | None = None,
     backend: str | None = None,
+    link_gbps: float | None = None,
 ) -> list[DeviceManager]:
     """(Re)create the device managers.
 
@@ -346,6 +526,9 @@ def init_devices(
         memory_limit: per-device budget in bytes (or ``"64MiB"``) for CPU virtual devices.
         backend: ``"cpu"`` or ``"cuda"``; default: ``cuda`` if available and
             ``ROUNDPIPE_VIRTUAL_DEVICES`` is unset, else ``cpu``.
+        link_gbps: modelled host <-> device bandwidth of CPU virtual devices in GB/s (see
+            :mod:`roundpipe.link`); default ``ROUNDPIPE_VIRTUAL_LINK_GBPS``, else none (copies
+            run inline, taking only the time they take).
 
     Must not be called while a RoundPipe run is in flight.
 
@@ -353,6 +536,8 @@ def init_devices(
         >>> devs = init_devices(num_virtual=2, memory_limit="1MiB")
         >>> [d.memory.budget for d in devs]
         [1048576, 1048576]
+        >>> init_devices(num_virtual=1, link_gbps=16)[0].link_gbps
+        16.0
     """
     global cur_device
     env_n = os.environ.get("ROUNDPIPE_VIRTUAL_DEVICES")
@@ -366,6 +551,12 @@ def init_devices(
     budget = (
         parse_bytes(memory_limit, "memory_limit") if memory_limit is not None else _default_budget()
     )
+    if backend == "cpu":
+        link_gbps = (
+            link_gbps_from_env() if link_gbps is None else check_gbps(link_gbps, "link_gbps")
+        )
+    elif link_gbps is not None:
+        raise ValueError("link_gbps models the link of CPU virtual devices; use backend='cpu'")
     with _init_lock:
         shutdown_devices()
         if backend == "cuda":
@@ -384,7 +575,7 @@ def init_devices(
             if not isinstance(num_virtual, int) or isinstance(num_virtual, bool) or num_virtual < 1:
                 raise ValueError(f"num_virtual must be a positive int, got {num_virtual!r}")
             device_list.extend(
-                DeviceManager(i, torch.device("cpu"), budget) for i in range(num_virtual)
+                DeviceManager(i, torch.device("cpu"), budget, link_gbps) for i in range(num_virtual)
             )
         cur_device = 0
     return list(device_list)
@@ -437,16 +628,8 @@ def get_min_gpu_memory() -> float:
     return min(sizes)
 
 
-def gc_collect() -> None:
-    """Release storages held by every device's inter-stream memory manager."""
-    for d in device_list:
-        d.mem_manager.stream_synced()
-
-
 def wait_devices_idle(timeout: float | None = None) -> None:
-    """Wait until no device worker has queued or running jobs."""
+    """Wait until no device has queued or running jobs, uploads or transfers."""
     wait_until(
-        lambda: all(d.jobs.empty() and d.cur_job is None for d in device_list),
-        "devices to become idle",
-        timeout=timeout,
+        lambda: all(d.idle() for d in device_list), "devices to become idle", timeout=timeout
     )

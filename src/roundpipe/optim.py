@@ -529,8 +529,9 @@ class RoundPipeOptimizer(Optimizer):
     """Makes the ordinary loop (``loss.backward(); opt.step(); opt.zero_grad()``) train a
     RoundPipe model.
 
-    RoundPipe keeps a separate optimizer copy of every parameter (``model.optim_parameters()``)
-    and updates it on its optimizer thread (:meth:`RoundPipeBase.step`): the gradients the
+    RoundPipe keeps a separate optimizer copy of every trainable parameter
+    (``model.optim_parameters()``; frozen ones, e.g. a LoRA model's base weights, have none, so
+    they get no optimizer state either) and updates it on its optimizer thread (:meth:`RoundPipeBase.step`): the gradients the
     backward left on the model parameters move into the copies, the inner optimizer steps, and
     the results are copied back. This wrapper owns an inner optimizer built over those copies
     and runs that protocol on :meth:`step`, so it behaves like the torch optimizer it wraps:

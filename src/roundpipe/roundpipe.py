@@ -180,23 +180,28 @@ class RoundPipeBase(nn.Module):
     def optim_named_parameters(
         self, prefix: str = "", remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:
-        """Named optimizer copies of the parameters (what optimizers should update).
+        """Named optimizer copies of the trainable parameters (what optimizers should update).
+
+        Parameters frozen (``requires_grad=False``) when the model was wrapped have no copy and
+        are left out, e.g. all but the adapters of a LoRA model.
 
         Example:
-            >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="off")
+            >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+            >>> _ = net[0].requires_grad_(False)  # frozen before wrapping: no optimizer copy
+            >>> rp = RoundPipe(net, pin_model="off")
             >>> [n for n, _ in rp.optim_named_parameters()]
-            ['0.weight', '0.bias']
+            ['1.weight', '1.bias']
         """
         for name, p in nn.Module.named_parameters(
             self.model, prefix=prefix, remove_duplicate=remove_duplicate
         ):
             if ParamAttribute.has(p):
                 optim = ParamAttribute.get(p).optim
-                assert optim is not None
-                yield name, optim
+                if optim is not None:
+                    yield name, optim
 
     def optim_parameters(self) -> Iterator[nn.Parameter]:
-        """Optimizer copies of the parameters.
+        """Optimizer copies of the trainable parameters.
 
         Example:
             >>> rp = RoundPipe(nn.Sequential(nn.Linear(2, 2)), pin_model="off")

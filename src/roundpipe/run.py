@@ -4,6 +4,14 @@ One call of a RoundPipe model becomes a :class:`RoundPipeRun`. Its forward stage
 fused last stage and the backward stages are queued on devices round-robin, in a global
 order in which every job only depends on earlier jobs, so the pipeline cannot deadlock.
 Activations and gradients travel between stages through host memory.
+
+Overlap, on devices with asynchronous copies (CUDA, a modelled link): each job comes with its
+stage upload, which the device runs on its uploader thread while the job before it computes,
+after the same fences the job would pass (prefetch, ``ROUNDPIPE_PREFETCH``, on by default; see
+:func:`roundpipe.device.prefetch_enabled`; it never waits for device memory: a stage that does not
+fit beside the running one uploads when it starts). A stage with gradients hands them to the
+device's d2h engine and returns: they land on the host while the next stage computes, and the run
+is not finished (``RunState.join``) until they have.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -19,12 +28,20 @@ import torch.utils._pytree as pytree
 
 from .batch import Batch
 from .context import ForwardCtx, RecomputeCtx
-from .device import DeviceManager, get_devices, get_next_device
+from .device import DeviceManager, get_devices, get_next_device, prefetch_enabled
+from .link import TraceRecord
 from .profile import annotate
 from .run_config import FullRoundPipeRunConfig
 from .scheduler import ModelExecutePlan, ModelTracker, PipelineModel
 from .threads import RunState
-from .transfer import StageOnDevice, async_d2h, async_h2d, download_layer, upload_layers
+from .transfer import (
+    StageOnDevice,
+    async_d2h,
+    async_h2d,
+    download_layer,
+    download_layer_async,
+    upload_layers,
+)
 from .utils import derive_seed
 
 __all__ = [
@@ -126,6 +143,29 @@ class RoundPipeRunContext:
         return pytree.tree_unflatten(async_h2d(device, leaves), spec)
 
 
+# the caller's autocast regions: ((device type, dtype), ...) and whether the cast cache is on
+AutocastSettings = tuple[tuple[tuple[str, torch.dtype], ...], bool]
+
+
+def _caller_autocast() -> AutocastSettings | None:
+    """The autocast regions (CUDA and CPU) the calling thread is in, or None."""
+    regions = tuple(
+        (dev, torch.get_autocast_dtype(dev))
+        for dev in ("cuda", "cpu")
+        if torch.is_autocast_enabled(dev)
+    )
+    return (regions, torch.is_autocast_cache_enabled()) if regions else None
+
+
+def _under_autocast(settings: AutocastSettings, job: Callable[..., None], *args: Any) -> None:
+    """Run a stage job inside the caller's autocast regions."""
+    regions, cache = settings
+    with contextlib.ExitStack() as stack:
+        for dev, dtype in regions:
+            stack.enter_context(torch.autocast(dev, dtype=dtype, cache_enabled=cache))
+        job(*args)
+
+
 class RoundPipeRun:
     """Everything one call of a RoundPipe model needs: batch, plan, progress, errors."""
 
@@ -162,6 +202,11 @@ class RoundPipeRun:
         ]
         self.loss_fn: Callable | None = None
         self.return_outputs = False
+        # prefetch stage uploads (devices with asynchronous copies only); read once per call
+        self.prefetch = prefetch_enabled()
+        # autocast is thread-local: the caller's regions are re-entered by every stage job,
+        # backward ones included (their recompute must cast as the forward did)
+        self.autocast = _caller_autocast()
 
     # -- helpers used by stage jobs --------------------------------------------------------
     @contextlib.contextmanager
@@ -193,26 +238,47 @@ class RoundPipeRun:
 
     # -- launching -------------------------------------------------------------------------
     # Jobs are queued here, on the next device round-robin; a device only executes them.
-    def _launch(self, what: str, job: Callable[..., None], *args: Any) -> None:
+    def _launch(
+        self, what: str, job: Callable[..., None], layers: range, kind: str, *args: Any
+    ) -> None:
         device = get_next_device()
+        prepare = None
+        if self.prefetch and device.async_copies:  # the device uploads the stage ahead of the job
+            prepare = functools.partial(_upload_stage, device, self, layers, kind, prefetch=True)
+        if self.autocast:
+            job = functools.partial(_under_autocast, self.autocast, job)
         device.submit(
-            self.state, f"{what} on {device.device}:{device.id}", job, device, self, *args
+            self.state,
+            f"{what} on {device.device}:{device.id}",
+            job,
+            device,
+            self,
+            *args,
+            prepare=prepare,
         )
 
     def launch_forward(self, fused: bool) -> None:
         """Queue forward stages (and, when ``fused``, the fused stage and backward stages)."""
         n_fwd = len(self.plan.fwd_plan) - (1 if fused else 0)
         for gid in range(n_fwd):
-            self._launch(f"forward group {gid}", run_forward, gid)
+            self._launch(
+                f"forward group {gid}", run_forward, self.plan.fwd_plan[gid], "forward", gid
+            )
         if fused:
-            self._launch("fused forward-backward", run_forward_backward)
+            self._launch(
+                "fused forward-backward", run_forward_backward, self.plan.bwd_plan[0], "fused"
+            )
             for gid in range(1, len(self.plan.bwd_plan)):
-                self._launch(f"backward group {gid}", run_backward, gid)
+                self._launch(
+                    f"backward group {gid}", run_backward, self.plan.bwd_plan[gid], "backward", gid
+                )
 
     def launch_backward(self) -> None:
         """Queue all backward stages (non-fused training)."""
         for gid in range(len(self.plan.bwd_plan)):
-            self._launch(f"backward group {gid}", run_backward, gid)
+            self._launch(
+                f"backward group {gid}", run_backward, self.plan.bwd_plan[gid], "backward", gid
+            )
 
     def join(self) -> None:
         """Wait for every queued job; re-raise the first worker error here."""
@@ -238,28 +304,80 @@ _STAGE_KINDS = {
 }
 
 
+def _stage_name(run: RoundPipeRun, layers: range, kind: str) -> str:
+    return f"{run.model.name} {kind} layers {layers.start}-{layers.stop - 1}"
+
+
+def _upload_stage(
+    device: DeviceManager, run: RoundPipeRun, layers: range, kind: str, prefetch: bool
+) -> StageOnDevice | None:
+    """Pass the layers' fences for a stage of ``kind``, then upload them; a ``prefetch`` gets
+    None when the device budget cannot hold them beside the running stage."""
+    fence, with_grad, _ = _STAGE_KINDS[kind]
+    attrs = run.layer_attrs(layers)
+    for attr in attrs:
+        getattr(attr, fence)(run.state)
+    what = _stage_name(run, layers, kind)
+    return upload_layers(run.host_layers(layers), attrs, device, with_grad, what, prefetch=prefetch)
+
+
+def _landed(
+    run: RoundPipeRun, what: str, device: DeviceManager, error: BaseException | None
+) -> None:
+    """A stage's gradients reached the host (or failed to): the run's deferred job is done."""
+    if error is not None:
+        run.state.fail(error, f"gradient download of {what} on {device.device}:{device.id}")
+    run.state.job_done()
+
+
 @contextlib.contextmanager
 def _stage_on(
     device: DeviceManager, run: RoundPipeRun, layers: range, kind: str
 ) -> Iterator[StageOnDevice]:
-    """Fence and upload ``layers`` for a stage of ``kind``; when the block succeeds, copy
-    buffers / gradients back to the host; always free the device copies.
+    """The uploaded ``layers`` for a stage of ``kind``: the upload the device prepared ahead,
+    or one made now (after the fences); when the block succeeds, copy buffers / gradients back
+    to the host (gradients in the background where copies are asynchronous); the device
+    copies are always freed.
 
     Stages with a backward are timed as a whole (forward stages time each layer).
     """
-    fence, with_grad, with_buffer = _STAGE_KINDS[kind]
-    attrs = run.layer_attrs(layers)
-    for attr in attrs:
-        getattr(attr, fence)(run.state)
-    what = f"{run.model.name} {kind} layers {layers.start}-{layers.stop - 1}"
-    stage = upload_layers(run.host_layers(layers), attrs, device, with_grad, what)
+    _, with_grad, with_buffer = _STAGE_KINDS[kind]
+    what = _stage_name(run, layers, kind)
+    stage = device.take_prepared(run.state)
+    if stage is None:  # not prefetched (or no room for it beside the stage before)
+        stage = _upload_stage(device, run, layers, kind, prefetch=False)
+        assert stage is not None
+    device.prefetch_next()  # this stage holds its memory: the next one may take what is left
+    handed_off = False
     try:
+        stage.wait_ready()
+        start = time.perf_counter()
         timed = run.timer.time_bwd(layers, device.compute_stream) if with_grad else None
         with timed or contextlib.nullcontext():
             yield stage
-        download_layer(stage, device, with_buffer=with_buffer, with_grad=with_grad)
+        device.trace.append(TraceRecord("compute", what, start, time.perf_counter()))
+        if with_grad and stage.aliases_host:
+            # the stage read the host parameters in place up to here: only now may a pending
+            # optimizer copy-back overwrite them (see _backward_inputs for real copies)
+            for attr in run.layer_attrs(layers):
+                attr.backward_uploaded()
+        if with_grad and device.async_copies:
+            run.state.add_jobs(1)  # the gradients land after this job returned
+            handed_off = True
+            download_layer_async(
+                stage,
+                device,
+                with_buffer,
+                with_grad,
+                what,
+                run.state.failed,
+                functools.partial(_landed, run, what, device),
+            )
+        else:
+            download_layer(stage, device, with_buffer=with_buffer, with_grad=with_grad, what=what)
     finally:
-        stage.free()
+        if not handed_off:
+            stage.free()
 
 
 def _save_fn(
@@ -373,20 +491,23 @@ def _backward_inputs(
     run: RoundPipeRun,
     device: DeviceManager,
     layers: range,
+    stage: StageOnDevice,
     wait: Callable[[int], None],
     host_state: Callable[[RoundPipeRunContext], State],
 ) -> Iterator[tuple[RoundPipeRunContext, State]]:
     """Per microbatch in order, once ``wait(m)`` returned: its context and its stage input
     (``host_state(ctx)``) uploaded, leaves needing gradients marked.
 
-    Once microbatch 0 arrived, the layers signal that this run's backward holds its copy:
-    by then every forward stage of this run uploaded these layers too (the backward job may
-    have uploaded early, before the forward stage of the same layers on another device), so
-    a pending optimizer copy-back can no longer make forward and backward see different values.
+    Once microbatch 0 arrived, a stage holding its own copy of the parameters (CUDA) signals
+    that this run's backward has it: by then every forward stage of this run uploaded these
+    layers too (the backward job may have uploaded early, before the forward stage of the same
+    layers on another device), so a pending optimizer copy-back can no longer make forward and
+    backward see different values. A stage using the host parameters in place (CPU) signals
+    when its compute ended instead (:func:`_stage_on`).
     """
     for m in range(run.num_microbatch):
         wait(m)
-        if m == 0:
+        if m == 0 and not stage.aliases_host:
             for attr in run.layer_attrs(layers):
                 attr.backward_uploaded()
         ctx = run.contexts[m]
@@ -403,7 +524,7 @@ def run_backward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) 
         return ctx.saved_inputs.pop(layers.start)
 
     with _stage_on(device, run, layers, "backward") as stage:
-        for ctx, state in _backward_inputs(run, device, layers, wait, saved):
+        for ctx, state in _backward_inputs(run, device, layers, stage, wait, saved):
             grads_out = ctx.grad_states
             x = state[0]
             recompute = functools.partial(_recompute_layer, run, device, ctx)
@@ -456,7 +577,7 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
         return run.states[ctx.microbatch_id]
 
     with _stage_on(device, run, layers, "fused") as stage:
-        for ctx, state in _backward_inputs(run, device, layers, wait, current):
+        for ctx, state in _backward_inputs(run, device, layers, stage, wait, current):
             m = ctx.microbatch_id
             x = state[0]
             fused = functools.partial(_fused_layer, run, device, m)

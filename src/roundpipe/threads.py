@@ -32,6 +32,7 @@ __all__ = [
     "roundpipe_threads",
     "thread_exception_print_lock",
     "trim_traceback",
+    "wait_event",
     "wait_until",
 ]
 
@@ -97,6 +98,29 @@ def wait_until(
             raise RoundPipeTimeoutError(f"RoundPipe timed out waiting for {what}")
 
 
+def wait_event(
+    event: threading.Event,
+    what: str,
+    state: RunState | None = None,
+    timeout: float | None = None,
+) -> None:
+    """Block until ``event`` is set, waking the moment it is (no polling delay).
+
+    Like :func:`wait_until`: raises :class:`RoundPipeAborted` when ``state`` reports a failure
+    elsewhere and :class:`RoundPipeTimeoutError` after ``timeout`` seconds (default: the global
+    deadline).
+
+    Example:
+        >>> ev = threading.Event(); ev.set(); wait_event(ev, "ready")
+    """
+    deadline = time.monotonic() + (get_wait_timeout() if timeout is None else timeout)
+    while not event.wait(_POLL):
+        if state is not None and state.failed():
+            raise RoundPipeAborted(what)
+        if time.monotonic() > deadline:
+            raise RoundPipeTimeoutError(f"RoundPipe timed out waiting for {what}")
+
+
 class AnnotatedEvent(threading.Event):
     """Event whose waits are named (for debugging) and bounded.
 
@@ -112,7 +136,7 @@ class AnnotatedEvent(threading.Event):
 
     def wait_checked(self, state: RunState | None = None, timeout: float | None = None) -> None:
         """Wait for the event; abort if ``state`` failed; raise on deadline."""
-        wait_until(self.is_set, f"event {self.name!r}", state=state, timeout=timeout)
+        wait_event(self, f"event {self.name!r}", state=state, timeout=timeout)
 
     def __repr__(self) -> str:
         return f"AnnotatedEvent({self.name!r}, set={self.is_set()})"
@@ -268,6 +292,8 @@ class RoundPipeThread(threading.Thread):
         self._rp_target = target
         super().__init__(target=self._run_wrapped, name=name, daemon=True, **kwargs)
         self.is_active = False
+        # forget finished threads: devices are re-created many times in one process
+        roundpipe_threads[:] = [t for t in roundpipe_threads if t.is_alive()]
         roundpipe_threads.append(self)
 
     def _run_wrapped(self) -> None:

@@ -1,16 +1,29 @@
-"""Host <-> device copies of activations and layers.
+"""Host <-> device copies of activations, stage parameters and gradients.
 
 A layer is uploaded into a cached *skeleton*: a copy of the module whose parameters and
 buffers are meta tensors (zero bytes). Uploading fills the skeleton's slots with device
-copies; freeing puts the meta tensors back, so nothing stays resident between stages.
+tensors; freeing puts the meta tensors back, so nothing stays resident between stages.
+
+Where the copies go:
+
+* **CUDA**: stage parameters on ``param_upstream`` (large tensors in chunks of
+  :data:`CHUNK_UPLOAD_SIZE`, so activation copies on ``upstream`` slip in between), activations
+  on ``upstream`` / ``downstream``, gradients on ``grad_downstream`` into pinned host buffers.
+  The compute stream waits for uploads by event; a gradient download completes on the device's
+  d2h engine thread, which waits for its event and then accumulates into ``param.grad``.
+* **CPU virtual devices**: host and device memory are the same, so a stage uses the host
+  parameters in place (no copy) and hands its gradients over without a copy; activations and
+  buffers (which layers may change in place) are copied. With a modelled link each transfer
+  still holds its copy engine for ``bytes / bandwidth`` (:mod:`roundpipe.link`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -21,20 +34,22 @@ from .device import DeviceManager
 
 __all__ = [
     "CHUNK_UPLOAD_SIZE",
-    "PinnedUpload",
-    "RegisterBackwardEvent",
     "StageOnDevice",
     "async_d2h",
     "async_h2d",
-    "chunk_layer_params",
     "chunked_upload",
-    "create_upload_pair",
     "download_layer",
+    "download_layer_async",
     "upload_layers",
 ]
 
+# split CUDA parameter uploads larger than CHUNK_UPLOAD_SIZE bytes into copies of that size
 chunked_upload = True
 CHUNK_UPLOAD_SIZE = 64 * 1024 * 1024
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def async_h2d(
@@ -44,7 +59,8 @@ def async_h2d(
 
     Copies are real even on CPU virtual devices, so a layer mutating its input in place
     cannot corrupt the host copy kept for recompute. The host data must be ready: every
-    host buffer RoundPipe hands over was completed by :func:`async_d2h`.
+    host buffer RoundPipe hands over was completed by :func:`async_d2h`. On CUDA the compute
+    stream waits for the copies; on CPU the copies (and their link time) are complete on return.
 
     Example:
         >>> from roundpipe.device import get_devices
@@ -54,20 +70,23 @@ def async_h2d(
         (False, True, 'tag')
     """
     out = []
+    nbytes = 0
     with device.stream(device.upstream):
         for t in host_tensors:
             if isinstance(t, torch.Tensor):
                 d = t.detach().to(device.device, non_blocking=device.is_cuda, copy=True)
                 if device.is_cuda:  # allocated on the upload stream, consumed on compute
                     d.record_stream(device.compute_stream)
+                nbytes += _nbytes(d)
                 if keep_requires_grad and t.requires_grad:
                     d.requires_grad_(True)
                 out.append(d)
             else:
                 out.append(t)
-    device.mark_upload()
     if device.is_cuda:
         device.compute_stream.wait_stream(device.upstream)
+    else:
+        device.hold_link(device.upstream, "h2d", "activations", nbytes)
     return out
 
 
@@ -83,14 +102,17 @@ def async_d2h(
     """
     out = []
     if not device.is_cuda:
+        nbytes = 0
         for t in device_tensors:
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 d = t.detach()
+                nbytes += _nbytes(d)
                 out.append(d.requires_grad_(True) if keep_requires_grad and t.requires_grad else d)
             elif isinstance(t, torch.Tensor):
                 out.append(t.detach().cpu())
             else:
                 out.append(t)
+        device.hold_link(device.downstream, "d2h", "activations", nbytes)
         return out
     device.downstream.wait_stream(device.compute_stream)
     with device.stream(device.downstream):
@@ -107,47 +129,6 @@ def async_d2h(
     # against this download stream: finish the copies before handing them out
     device.downstream.synchronize()
     return out
-
-
-def chunk_layer_params(
-    tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], n_chunks: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Greedy number partitioning of copy work into ``n_chunks`` balanced chunks.
-
-    Example:
-        >>> a, b, c = torch.empty(4), torch.empty(3), torch.empty(2)
-        >>> chunks = chunk_layer_params([(a, a), (b, b), (c, c)], 2)
-        >>> [sum(s.numel() for s, _ in ch) for ch in chunks]
-        [4, 5]
-    """
-    if n_chunks < 1:
-        raise ValueError(f"n_chunks must be positive, got {n_chunks}")
-    chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_chunks)]
-    loads = [0] * n_chunks
-    for pair in sorted(tensor_pair, key=lambda p: -p[0].numel() * p[0].element_size()):
-        i = loads.index(min(loads))
-        chunks[i].append(pair)
-        loads[i] += pair[0].numel() * pair[0].element_size()
-    return chunks
-
-
-def create_upload_pair(
-    tensor_pair: list[tuple[torch.Tensor, torch.Tensor]], src: torch.Tensor, device: torch.device
-) -> torch.Tensor:
-    """Allocate the device copy of ``src`` and register the (src, dst) copy work.
-
-    With :func:`chunk_layer_params` this stages a layer's copies in balanced chunks (the
-    internal API keeps it for that; :func:`upload_layers` copies slot by slot today).
-
-    Example:
-        >>> pairs = []
-        >>> dst = create_upload_pair(pairs, torch.ones(3), torch.device("cpu"))
-        >>> dst.shape, len(pairs)
-        (torch.Size([3]), 1)
-    """
-    dst = torch.empty(src.shape, dtype=src.dtype, device=device)
-    tensor_pair.append((src.detach(), dst))
-    return dst
 
 
 class _Skeleton:
@@ -190,49 +171,144 @@ class _Skeleton:
 
 
 _TENSOR_DICTS = frozenset({"_parameters", "_buffers", "_modules"})
+# host layer -> skeletons not in use; a layer gets one more when two live stages hold it (a
+# prefetched stage beside the running one), so concurrent stages never share slots
 _skeletons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 _skeleton_lock = threading.Lock()
 
 
-def _skeleton(layer: nn.Module, device: DeviceManager) -> _Skeleton:
-    with _skeleton_lock:  # device workers look skeletons up concurrently
-        per_dev = _skeletons.setdefault(layer, {})
-        sk = per_dev.get(device.id)
-    if sk is None:
-        sk = _Skeleton(layer)
-        with _skeleton_lock:
-            sk = per_dev.setdefault(device.id, sk)
-    return sk
+def _acquire_skeleton(layer: nn.Module) -> _Skeleton:
+    with _skeleton_lock:  # device workers and uploaders look skeletons up concurrently
+        free = _skeletons.get(layer)
+        if free:
+            return free.pop()
+    return _Skeleton(layer)
+
+
+def _release_skeleton(layer: nn.Module, sk: _Skeleton) -> None:
+    with _skeleton_lock:
+        _skeletons.setdefault(layer, []).append(sk)
+
+
+def _set_slot(mod: nn.Module, name: str, is_param: bool, value: torch.Tensor) -> None:
+    (mod._parameters if is_param else mod._buffers)[name] = value
 
 
 class StageOnDevice:
-    """Device copies of one stage's layers, with the bytes they hold accounted on the device."""
+    """Device copies of one stage's layers, with the bytes they hold accounted on the device.
+
+    ``ready`` completes the upload (None: already complete): wait for it with
+    :meth:`wait_ready` before computing. ``aliases_host`` says the stage uses the host
+    parameters in place (CPU virtual devices): nothing may write them (the optimizer's
+    copy-back) until the stage is done with them.
+    """
 
     def __init__(
         self,
         device: DeviceManager,
-        layers: list[nn.Module],
+        host_layers: list[nn.Module],
         skeletons: list[_Skeleton],
-        host_to_dev: dict[int, torch.Tensor],
         nbytes: int,
+        aliases_host: bool,
     ) -> None:
         self.device = device
-        self.layers = layers
+        self.host_layers = host_layers
         self.skeletons = skeletons
-        self.host_to_dev = host_to_dev
+        self.layers = [sk.module for sk in skeletons]
+        self.host_to_dev: dict[int, torch.Tensor] = {}
         self.nbytes = nbytes
+        self.aliases_host = aliases_host
+        self.ready: Any = None
+        self._lock = threading.Lock()
+        self._freed = False
+
+    def wait_ready(self) -> None:
+        """Order compute after the upload: the CUDA compute stream waits for the upload event;
+        on CPU the calling (worker) thread blocks until the copy engine completed it."""
+        ready, self.ready = self.ready, None
+        if ready is None:
+            return
+        if self.device.is_cuda:
+            self.device.compute_stream.wait_event(ready)
+        else:
+            ready.synchronize()
 
     def free(self) -> None:
         """Drop the device tensors (skeleton slots back to meta) and release the account."""
-        for sk in self.skeletons:
+        with self._lock:
+            if self._freed:
+                return
+            self._freed = True
+        for layer, sk in zip(self.host_layers, self.skeletons):
             for mod, name, is_param, _, placeholder in sk.slots:
-                (mod._parameters if is_param else mod._buffers)[name] = placeholder
+                _set_slot(mod, name, is_param, placeholder)
+            _release_skeleton(layer, sk)
         self.host_to_dev.clear()
         if self.nbytes:
             self.device.memory.free(self.nbytes)
             self.nbytes = 0
+
+
+@contextlib.contextmanager
+def _param_locks(layer_attrs: list[Any]) -> Iterator[None]:
+    """Hold the layers' ``param_lock``: the optimizer's copy-back waits meanwhile."""
+    held = []
+    try:
+        for attr in layer_attrs:  # always in layer order: no lock-order inversion
+            attr.param_lock.acquire()
+            held.append(attr)
+        yield
+    finally:
+        for attr in held:
+            attr.param_lock.release()
+
+
+def _h2d_param(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Device copy of ``host`` issued on the current (upload) stream; copies larger than
+    :data:`CHUNK_UPLOAD_SIZE` are split so other streams' copies can run between the pieces."""
+    nbytes = _nbytes(host)
+    if not (chunked_upload and nbytes > CHUNK_UPLOAD_SIZE and host.is_contiguous()):
+        return host.detach().to(device, non_blocking=True, copy=True)
+    data = torch.empty(host.shape, dtype=host.dtype, device=device)
+    src, dst = host.detach().reshape(-1), data.view(-1)
+    step = max(CHUNK_UPLOAD_SIZE // host.element_size(), 1)
+    for i in range(0, src.numel(), step):
+        dst[i : i + step].copy_(src[i : i + step], non_blocking=True)
+    return data
+
+
+def _upload_cuda(device: DeviceManager, stage: StageOnDevice) -> Any:
+    """Issue the stage's copies on ``param_upstream``; return the event that completes them."""
+    with torch.cuda.device(device.device), torch.cuda.stream(device.param_upstream):
+        for sk in stage.skeletons:
+            for mod, name, is_param, host, _ in sk.slots:
+                dev = stage.host_to_dev.get(id(host))
+                if dev is None:
+                    data = _h2d_param(host, device.device)
+                    # allocated on the upload stream, used (and freed after) on compute
+                    data.record_stream(device.compute_stream)
+                    dev = nn.Parameter(data, requires_grad=host.requires_grad) if is_param else data
+                    stage.host_to_dev[id(host)] = dev
+                _set_slot(mod, name, is_param, dev)
+        ready = torch.cuda.Event()
+        ready.record(device.param_upstream)
+    return ready
+
+
+def _use_in_place(stage: StageOnDevice) -> None:
+    """CPU virtual devices: parameters are the host tensors themselves (host memory is device
+    memory); buffers are copied, since layers update them in place (running statistics) and
+    only a forward stage may write them back."""
+    for sk in stage.skeletons:
+        for mod, name, is_param, host, _ in sk.slots:
+            dev = stage.host_to_dev.get(id(host))
+            if dev is None:
+                if is_param:
+                    dev = nn.Parameter(host.detach(), requires_grad=host.requires_grad)
+                else:
+                    dev = host.detach().clone()
+                stage.host_to_dev[id(host)] = dev
+            _set_slot(mod, name, is_param, dev)
 
 
 def upload_layers(
@@ -241,67 +317,99 @@ def upload_layers(
     device: DeviceManager,
     with_grad: bool,
     what: str = "stage",
-) -> StageOnDevice:
-    """Copy ``layers`` to ``device``; parameters shared between them stay shared.
+    *,
+    prefetch: bool = False,
+) -> StageOnDevice | None:
+    """Upload ``layers`` to ``device``; parameters shared between them stay shared.
 
-    With ``with_grad``, room for the gradients of trainable parameters is accounted too.
-    Raises :class:`~roundpipe.device.DeviceMemoryError` if the device budget is exceeded.
+    With ``with_grad``, room for the gradients of trainable parameters is accounted too. When
+    the budget is short, gradient downloads in flight on the device land first (they free
+    their stages); if it still does not fit, raises
+    :class:`~roundpipe.device.DeviceMemoryError`, or returns None for a ``prefetch`` (which has
+    to wait for the running stage to end). A prefetch on a CPU virtual device with a modelled
+    link leaves the transfer to the copy engine; otherwise the calling thread holds the link
+    until the copy is complete. Call :meth:`StageOnDevice.wait_ready` before using the stage.
+
+    Example:
+        >>> from roundpipe.attribute import make_layer_attribute
+        >>> from roundpipe.device import get_devices
+        >>> layer = nn.Linear(2, 2)
+        >>> attr = make_layer_attribute("demo", layer, 0, None)
+        >>> stage = upload_layers([layer], [attr], get_devices()[0], with_grad=False)
+        >>> stage.wait_ready(); stage.layers[0](torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+        >>> stage.free()
     """
-    skeletons = [_skeleton(layer, device) for layer in layers]
+    skeletons = [_acquire_skeleton(layer) for layer in layers]
     for sk in skeletons:
         sk.refresh()
     unique: dict[int, torch.Tensor] = {}
     for sk in skeletons:
         for _, _, _, host, _ in sk.slots:
             unique[id(host)] = host
-    nbytes = sum(t.numel() * t.element_size() for t in unique.values())
+    copy_bytes = sum(_nbytes(t) for t in unique.values())
+    nbytes = copy_bytes
     if with_grad:
         nbytes += sum(
-            t.numel() * t.element_size()
-            for t in unique.values()
-            if isinstance(t, nn.Parameter) and t.requires_grad
+            _nbytes(t) for t in unique.values() if isinstance(t, nn.Parameter) and t.requires_grad
         )
-    device.memory.allocate(nbytes, what)
-    host_to_dev: dict[int, torch.Tensor] = {}
+    stage = StageOnDevice(device, list(layers), skeletons, 0, aliases_host=not device.is_cuda)
+    if not device.memory.try_allocate(nbytes):
+        device.drain_downloads()  # stages still landing their gradients free their bytes
+        if not device.memory.try_allocate(nbytes):
+            if prefetch:
+                stage.free()
+                return None
+            try:
+                device.memory.allocate(nbytes, what)
+            except BaseException:
+                stage.free()
+                raise
+    stage.nbytes = nbytes
     try:
-        for attr in layer_attrs:
-            attr.param_lock.acquire()
-        try:
-            with device.stream(device.param_upstream), torch.no_grad():
-                for sk in skeletons:
-                    for mod, name, is_param, host, _ in sk.slots:
-                        dev = host_to_dev.get(id(host))
-                        if dev is None:
-                            data = host.detach().to(
-                                device.device, non_blocking=device.is_cuda, copy=True
-                            )
-                            if device.is_cuda:
-                                data.record_stream(device.compute_stream)
-                            dev = (
-                                nn.Parameter(data, requires_grad=host.requires_grad)
-                                if is_param
-                                else data
-                            )
-                            host_to_dev[id(host)] = dev
-                        (mod._parameters if is_param else mod._buffers)[name] = dev
-            if device.is_cuda:  # the copy-back must not overwrite host memory mid-DMA
-                device.param_upstream.synchronize()
-        finally:
-            for attr in layer_attrs:
-                attr.param_lock.release()
-        if device.is_cuda:
-            device.compute_stream.wait_stream(device.param_upstream)
+        with _param_locks(layer_attrs), torch.no_grad():
+            if device.is_cuda:
+                stage.ready = _upload_cuda(device, stage)
+                # the optimizer's copy-back must not overwrite host memory mid-DMA: the copies
+                # complete before the layers' param_lock is released (on the uploader thread
+                # this waits beside the computing worker)
+                stage.ready.synchronize()
+            else:
+                _use_in_place(stage)
+        if not device.is_cuda and device.link_gbps is not None:
+            if prefetch:
+                stage.ready = device.param_upstream.submit("upload", what, copy_bytes)
+            else:
+                device.param_upstream.hold("upload", what, copy_bytes)
     except BaseException:
-        device.memory.free(nbytes)
+        stage.free()
         raise
-    return StageOnDevice(device, [sk.module for sk in skeletons], skeletons, host_to_dev, nbytes)
+    if stage.ready is not None:
+        device.mark_upload(stage.ready)
+    return stage
 
 
-def download_layer(
-    stage: StageOnDevice, device: DeviceManager, with_buffer: bool, with_grad: bool
-) -> None:
-    """Copy buffers (e.g. running statistics) and accumulate gradients back to the host."""
+def _accumulate(host: torch.Tensor, g: torch.Tensor) -> None:
+    attr = ParamAttribute.get(host)
+    with attr.grad_lock:
+        if host.grad is None:
+            host.grad = g
+        else:
+            host.grad.add_(g)
+
+
+def _accumulate_all(grads: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for host, g in grads:
+        _accumulate(host, g)
+
+
+def _collect(
+    stage: StageOnDevice, device: DeviceManager, with_buffer: bool, with_grad: bool, what: str
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copy buffers back (synchronously) and take the device gradients: (host param, grad)."""
     seen: set[int] = set()
+    grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+    buffer_bytes = 0
     for sk in stage.skeletons:
         for _, _, is_param, host, _ in sk.slots:
             if id(host) in seen:
@@ -311,56 +419,102 @@ def download_layer(
             if not is_param:
                 if with_buffer:
                     with torch.no_grad():
-                        host.copy_(dev.to("cpu"))
+                        host.copy_(dev.to("cpu") if device.is_cuda else dev)
+                    buffer_bytes += _nbytes(dev)
                 continue
-            if not with_grad or dev.grad is None:
-                continue
-            g = dev.grad.to("cpu") if device.is_cuda else dev.grad
-            attr = ParamAttribute.get(host)
-            with attr.grad_lock:
-                if host.grad is None:
-                    host.grad = g
-                else:
-                    host.grad.add_(g)
-            dev.grad = None
+            if with_grad and dev.grad is not None:
+                grads.append((host, dev.grad))
+                dev.grad = None
+    if not device.is_cuda:
+        device.hold_link(device.downstream, "d2h", f"buffers {what}", buffer_bytes)
+    return grads
 
 
-class PinnedUpload(torch.autograd.Function):
-    """Differentiable host -> device copy through pinned memory (pinned only for CUDA).
+def download_layer(
+    stage: StageOnDevice,
+    device: DeviceManager,
+    with_buffer: bool,
+    with_grad: bool,
+    what: str = "stage",
+) -> None:
+    """Copy buffers (e.g. running statistics) and accumulate gradients back to the host; the
+    data is on the host on return."""
+    grads = _collect(stage, device, with_buffer, with_grad, what)
+    if device.is_cuda:
+        grads = [(host, g.to("cpu")) for host, g in grads]
+    else:
+        nbytes = sum(_nbytes(g) for _, g in grads)
+        device.hold_link(device.grad_downstream, "download", what, nbytes)
+    for host, g in grads:
+        _accumulate(host, g)
 
-    Example:
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> PinnedUpload.apply(x, torch.device("cpu")).sum().backward(); x.grad
-        tensor([1., 1.])
+
+def download_layer_async(
+    stage: StageOnDevice,
+    device: DeviceManager,
+    with_buffer: bool,
+    with_grad: bool,
+    what: str,
+    skip: Callable[[], bool],
+    on_done: Callable[[BaseException | None], None],
+) -> Any:
+    """Like :func:`download_layer`, but the gradients land in the background, on the device's
+    d2h copy engine: they are accumulated into ``param.grad`` (unless ``skip()``), the stage is
+    freed, then ``on_done(error)`` runs, always exactly once. Buffers are copied before return.
+
+    On CUDA the gradients copy on ``grad_downstream`` (after the compute stream's work) into
+    pinned host buffers; the engine thread waits for the copy's event. On CPU virtual devices
+    the gradient tensors are handed over as they are, after the modelled link time.
+
+    Returns the transfer's :class:`~roundpipe.link.CopyEvent`. If this raises, ``on_done`` has
+    already run with the error.
     """
+    try:
+        grads = _collect(stage, device, with_buffer, with_grad, what)
+        nbytes = sum(_nbytes(g) for _, g in grads)
+        copied: Any = None
+        if device.is_cuda:
+            device.grad_downstream.wait_stream(device.compute_stream)
+            with torch.cuda.device(device.device), torch.cuda.stream(device.grad_downstream):
+                landing = []
+                for host, g in grads:
+                    buf = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                    buf.copy_(g, non_blocking=True)
+                    g.record_stream(device.grad_downstream)  # freed while the copy may run
+                    landing.append((host, buf))
+                copied = torch.cuda.Event()
+                copied.record(device.grad_downstream)
+            grads = landing
+            lane = device.d2h.bulk
+        else:
+            lane = device.grad_downstream
+    except BaseException as exc:
+        stage.free()
+        on_done(exc)
+        raise
 
-    @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, d: torch.device) -> torch.Tensor:
-        if torch.device(d).type == "cuda" and not t.is_pinned():
-            t = t.pin_memory()
-        return t.to(d, non_blocking=True, copy=True)
+    def land() -> None:
+        # every tensor reference this thread holds is dropped before on_done: once the run is
+        # done the main thread may exit, and a daemon thread freeing a tensor during interpreter
+        # shutdown aborts the process
+        error: BaseException | None = None
+        try:
+            if copied is not None:
+                copied.synchronize()
+            if not skip():
+                _accumulate_all(grads)
+        except BaseException as exc:  # noqa: BLE001 - reported through on_done
+            error = exc
+        grads.clear()
+        try:
+            stage.free()
+        except BaseException as exc:  # noqa: BLE001
+            error = error or exc
+        on_done(error)
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (g.to("cpu"), None)
-
-
-class RegisterBackwardEvent(torch.autograd.Function):
-    """Identity whose backward records ``event`` when the gradient passes through.
-
-    Example:
-        >>> x = torch.ones(2, requires_grad=True)
-        >>> RegisterBackwardEvent.apply(x, None).sum().backward(); x.grad
-        tensor([1., 1.])
-    """
-
-    @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, event: Any) -> torch.Tensor:
-        ctx.event = event
-        return input.view_as(input)
-
-    @staticmethod
-    def backward(ctx: Any, grad_outputs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if ctx.event is not None:
-            ctx.event.record()
-        return grad_outputs, None
+    try:
+        return lane.submit("download", what, nbytes, then=land)
+    except BaseException as exc:  # the engine was shut down: land() will never run
+        stage.free()
+        on_done(exc)
+        raise

@@ -73,8 +73,12 @@ def wrap_model_to_roundpipe(
     """Wrap ``model`` for RoundPipe training.
 
     Resolution order: explicit ``layers`` (a list of modules in execution order, e.g. from a
-    schedule's pipeline cuts) -> the family preset (Llama, Qwen3, GPT-2) -> the recursive size
-    heuristic, returning an :class:`AutoRoundPipe` around the partly wrapped model.
+    schedule's pipeline cuts) -> the family preset (Llama, Qwen3, GPT-2; also inside a ``peft``
+    LoRA model) -> the recursive size heuristic, returning an :class:`AutoRoundPipe` around the
+    partly wrapped model.
+
+    Parameters frozen at this point (``requires_grad=False``, e.g. a LoRA model's base weights)
+    get no optimizer copy: ``optim_parameters()`` yields the trainable ones only.
 
     Args:
         model: module to wrap.

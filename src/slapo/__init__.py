@@ -63,6 +63,8 @@ __all__ = [
     "save_checkpoint",
     "sharding",
     "vocab_parallel_cross_entropy",
+    "MemoryEstimate",
+    "estimate_memory",
     "PrimitiveError",
     "PrimitiveTypeError",
     "SchedulePathError",
@@ -99,6 +101,8 @@ _LAZY = {
     name: "checkpoint_io"
     for name in ("CheckpointError", "export_safetensors", "load_checkpoint", "save_checkpoint")
 }
+# The memory planner loads fake tensors on first use.
+_LAZY.update({name: "memory_plan" for name in ("MemoryEstimate", "estimate_memory")})
 
 
 def __getattr__(name: str):

@@ -1,14 +1,21 @@
-"""The ``slapo`` command: ``slapo train``, ``slapo tune``, ``slapo primitives``."""
+"""The ``slapo`` command: ``slapo train``, ``slapo tune``, ``slapo estimate``, ``slapo primitives``."""
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import sys
+import types
+from dataclasses import fields, replace
+from typing import Any, get_type_hints
 
 from . import __version__
+from .exceptions import SlapoError
 from .primitives import list_primitives
+from .train import TrainConfig
 from .train import add_parser as add_train
+from .train.cli import parse_bool
 from .tune.cli import add_parser as add_tune
 
 
@@ -19,6 +26,104 @@ def _primitives(args: argparse.Namespace) -> int:
         if args.verbose:
             print("    " + doc.replace("\n", "\n    ") + "\n")
     return 0
+
+
+ESTIMATE_HELP = "predict the memory of one training step of slapo train, allocating nothing"
+ESTIMATE_DESCRIPTION = """Predict the peak memory of one training step of the model, schedule,
+optimizer and batch that `slapo train` builds from the same flags, without allocating it: the step
+runs on fake tensors (slapo.estimate_memory). --tp N estimates one rank of N in this process."""
+#: The ``slapo train`` flags that shape the estimated step: these and every schedule knob.
+ESTIMATE_FLAGS = ("model", "preset", "batch_size", "seq_len", "seed", "unscheduled")
+
+
+def _estimate_fields() -> list[Any]:
+    from .train.config import SCHEDULE_KNOBS
+
+    return [
+        f for f in fields(TrainConfig)
+        if f.name in ESTIMATE_FLAGS or f.metadata.get("group") == SCHEDULE_KNOBS
+    ]  # fmt: skip
+
+
+def _add_estimate(sub: Any) -> None:
+    from .memory_plan import memory_size_arg  # light: fake tensors load when an estimate runs
+
+    p = sub.add_parser(
+        "estimate", help=ESTIMATE_HELP, description=ESTIMATE_DESCRIPTION,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )  # fmt: skip
+    hints = get_type_hints(TrainConfig)
+    for f in _estimate_fields():
+        kind, meta = hints[f.name], f.metadata
+        if isinstance(kind, types.UnionType):  # str | None -> str
+            (kind,) = (a for a in kind.__args__ if a is not type(None))
+        flag = "--" + f.name.replace("_", "-")
+        if kind is bool and f.default:  # as slapo train: --no-<name> turns it off
+            p.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=meta["help"])
+        elif kind is bool:
+            p.add_argument(flag, type=parse_bool, nargs="?", const=True, default=f.default,
+                           help=meta["help"])  # fmt: skip
+        else:
+            p.add_argument(flag, type=meta.get("parse") or kind, choices=meta.get("choices"),
+                           default=f.default, help=meta["help"])  # fmt: skip
+    p.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank, with --tp")
+    p.add_argument(
+        "--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
+        help="whose state counts (slapo train uses adamw)",
+    )  # fmt: skip
+    p.add_argument("--momentum", type=float, default=0.0, help="with --optimizer sgd")
+    p.add_argument("--compare", action="store_true", help="also estimate the unscheduled model")
+    p.add_argument(
+        "--memory-budget", type=memory_size_arg, default=None, metavar="SIZE",
+        help="say whether the step fits SIZE (e.g. 8GiB); exit 1 when it does not",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of tables")
+    p.set_defaults(func=_estimate)
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from .memory_plan import format_bytes
+    from .train.memory import estimate_config
+
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in _estimate_fields()})
+    optimizer = {"adamw": None, "adam": "adam", "sgd": "sgd", "none": "none"}[args.optimizer]
+    kwargs = {"lr": 0.1, "momentum": args.momentum} if args.optimizer == "sgd" else {}
+    runs = {"unscheduled": True, "scheduled": cfg.unscheduled} if args.compare else {"": None}
+    ests = {}
+    try:
+        for label, unscheduled in runs.items():
+            run_cfg = cfg if unscheduled is None else replace(cfg, unscheduled=unscheduled)
+            ests[label] = estimate_config(run_cfg, args.rank, optimizer, kwargs)
+    except SlapoError as exc:
+        raise SystemExit(f"slapo estimate: {exc}") from exc
+    last = ests[list(ests)[-1]]
+    fits = None if args.memory_budget is None else last.required <= args.memory_budget
+    if args.json:
+        doc = {k or "estimate": e.as_dict() for k, e in ests.items()}
+        if fits is not None:
+            doc["fits_memory_budget"] = fits
+        print(json.dumps(doc))
+        return 0 if fits in (None, True) else 1
+    tp = f", rank {args.rank} of {cfg.tp}" if cfg.tp > 1 else ""
+    print(
+        f"slapo estimate: {cfg.model} ({cfg.preset}), batch {cfg.batch_size} x {cfg.seq_len} "
+        f"tokens, ckpt_ratio {cfg.ckpt_ratio}{tp}, optimizer {args.optimizer}"
+    )
+    if len(ests) == 1:
+        print(last)
+    else:
+        rows = [("parameters", "params"), ("buffers", "buffers"), ("gradients", "grads"),
+                ("optimizer state", "optimizer_state"), ("activations", "activations"),
+                ("peak (all of the above)", "peak"), ("live peak (with temporaries)", "live_peak"),
+                ("required (larger of the two)", "required")]  # fmt: skip
+        print(f"{'':<30}" + "".join(f"{label:>14}" for label in ests))
+        for name, attr in rows:
+            cells = "".join(f"{format_bytes(getattr(e, attr)):>14}" for e in ests.values())
+            print(f"{name:<30}{cells}")
+    if fits is not None:
+        verdict = "fits" if fits else "does NOT fit"
+        print(f"{verdict} the memory budget of {format_bytes(args.memory_budget)}")
+    return 0 if fits in (None, True) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     prims.add_argument("-v", "--verbose", action="store_true", help="print each primitive's help")
     prims.set_defaults(func=_primitives)
     add_tune(sub)
+    _add_estimate(sub)
     return parser
 
 

@@ -27,7 +27,7 @@ from .sharding.spec import SPEC_ATTR, ShardSpec, get_shard_spec
 
 __all__ = ["consolidate_model"]
 
-_TARGETS = (None, "eager", "ddp", "fsdp", "roundpipe")
+_TARGETS = (None, "eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
 
 
 def consolidate_model(

@@ -13,8 +13,9 @@ otherwise, so the same code runs in CPU tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random as _pyrandom
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,6 +34,9 @@ __all__ = [
     "set_random_seed",
     "is_random_seed_set",
     "checkpoint",
+    "checkpoint_policy",
+    "recompute_dropout",
+    "CHECKPOINT_POLICIES",
     "MODEL_PARALLEL_RNG",
 ]
 
@@ -212,8 +216,209 @@ def _reentrant_with_tracker(function: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+# ----- selective checkpointing ----------------------------------------------------------------
+def _ops(*names: str) -> frozenset[Any]:
+    """The default overloads of the named aten ops this torch has (a missing one is skipped)."""
+    found = []
+    for name in names:
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and hasattr(packet, "default"):
+            found.append(packet.default)
+    return frozenset(found)
+
+
+#: The matrix products of linear layers: what a selective checkpoint is mostly there to avoid
+#: recomputing. Batched products (``bmm``: attention scores and their product with the values,
+#: where attention is not one fused kernel) are left out: their outputs are sequence x sequence
+#: per head, large for their cost, and recomputed with the softmax beside them.
+MATMUL_OPS = _ops("mm", "addmm", "_addmm_activation")
+#: Fused attention kernels (CPU and CUDA): an expensive recompute for a small output.
+ATTENTION_OPS = _ops(
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
+
+#: Dropout as one op (compiled code; CUDA): its output and mask are kept, as a random draw costs
+#: more to repeat than its mask to keep (on CPU, ``bernoulli_`` runs on one thread). Eager CPU
+#: dropout is in-place ops (``bernoulli_``, ``div_``) that a selective checkpoint cannot keep:
+#: recomputed there, under the restored RNG state (the same mask).
+RANDOM_OPS = _ops("native_dropout")
+
+
+def _save_listed(saved: frozenset[Any], ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Keep the outputs of the listed ops; recompute the others."""
+    cp = _torch_ckpt.CheckpointPolicy
+    return cp.MUST_SAVE if op in saved else cp.PREFER_RECOMPUTE
+
+
+def _save_narrow_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """``save_matmuls``, except for the products that widen their input (``x @ W`` with more
+    output than input features: an MLP's up and gate projections), which are recomputed."""
+    cp = _torch_ckpt.CheckpointPolicy
+    if op in ATTENTION_OPS or op in RANDOM_OPS:
+        return cp.MUST_SAVE
+    if op in MATMUL_OPS:
+        x, w = (args[0], args[1]) if op == torch.ops.aten.mm.default else (args[1], args[2])
+        return cp.PREFER_RECOMPUTE if w.shape[-1] > x.shape[-1] else cp.MUST_SAVE
+    return cp.PREFER_RECOMPUTE
+
+
+#: The named policies of selective checkpointing, each a policy function: which op outputs are
+#: kept in forward. Every other op of the checkpointed region (norms, activations, residual adds,
+#: reshapes) is recomputed in backward. From most kept (fastest) to least kept (smallest):
+#:
+#: * ``save_matmuls``: linear-layer products, attention kernels and dropout;
+#: * ``save_narrow_matmuls``: the same without the products that widen their input (an MLP's
+#:   up/gate projections, the largest outputs of a block), recomputed;
+#: * ``save_attention``: attention kernels and dropout; every linear layer is recomputed.
+CHECKPOINT_POLICIES: dict[str, Callable[..., Any]] = {
+    "save_matmuls": functools.partial(_save_listed, MATMUL_OPS | ATTENTION_OPS | RANDOM_OPS),
+    "save_narrow_matmuls": _save_narrow_matmuls,
+    "save_attention": functools.partial(_save_listed, ATTENTION_OPS | RANDOM_OPS),
+}
+
+
+def _dropout_recomputed(
+    policy: Callable[..., Any], ctx: Any, op: Any, *args: Any, **kw: Any
+) -> Any:
+    if op in RANDOM_OPS:
+        return _torch_ckpt.CheckpointPolicy.PREFER_RECOMPUTE
+    return policy(ctx, op, *args, **kw)
+
+
+def recompute_dropout(policy: Policy) -> Callable[..., Any]:
+    """``policy`` (a name, a list of ops or a function) with dropout recomputed, not kept.
+
+    For blocks where inductor mis-compiles a kept dropout: with torch 2.13 on CPU, a compiled
+    block that keeps dropout and also returns an embedding-derived tensor (T5's position bias)
+    gets a wrongly indexed embedding backward (wrong gradients, writes out of bounds).
+
+    Example:
+        >>> keep = recompute_dropout("save_matmuls")
+        >>> keep(None, torch.ops.aten.native_dropout.default).name
+        'PREFER_RECOMPUTE'
+    """
+    return functools.partial(_dropout_recomputed, checkpoint_policy(policy))
+
+
+Policy = str | Iterable[Any] | Callable[..., Any]
+
+
+def checkpoint_policy(policy: Policy) -> Callable[..., Any]:
+    """The policy function of a selective checkpoint, for ``policy=`` of :func:`checkpoint`.
+
+    ``policy`` is a name in :data:`CHECKPOINT_POLICIES` (``"save_matmuls"`` keeps the outputs of
+    linear layers, attention kernels and dropout; ``"save_narrow_matmuls"`` recomputes the
+    widening linear layers too; ``"save_attention"`` keeps attention kernels and dropout only),
+    a list of aten ops whose outputs to keep (``torch.ops.aten.mm``, every overload, or
+    ``torch.ops.aten.mm.default``), or a function ``policy(ctx, op, *args, **kwargs)`` returning a
+    ``torch.utils.checkpoint.CheckpointPolicy`` (or a bool: True keeps the output), as for
+    ``torch.utils.checkpoint.create_selective_checkpoint_contexts``.
+
+    Example:
+        >>> keep = checkpoint_policy("save_matmuls")
+        >>> keep(None, torch.ops.aten.mm.default) == _torch_ckpt.CheckpointPolicy.MUST_SAVE
+        True
+    """
+    if isinstance(policy, str):
+        if policy not in CHECKPOINT_POLICIES:
+            raise SlapoError(
+                f"unknown checkpoint policy {policy!r}; the named policies are "
+                f"{', '.join(sorted(CHECKPOINT_POLICIES))}, or pass a list of aten ops to save "
+                "(e.g. [torch.ops.aten.mm]) or a policy function"
+            )
+        return CHECKPOINT_POLICIES[policy]
+    single_op = isinstance(policy, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+    if callable(policy) and not single_op:
+        return policy
+    if single_op or isinstance(policy, Iterable):
+        ops = [policy] if single_op else list(policy)
+        resolved = set()
+        for op in ops:
+            if isinstance(op, torch._ops.OpOverloadPacket):
+                resolved.update(getattr(op, name) for name in op.overloads())
+            elif isinstance(op, torch._ops.OpOverload):
+                resolved.add(op)
+            else:
+                raise SlapoError(
+                    f"checkpoint policy: {op!r} is not an aten op; list ops such as "
+                    "torch.ops.aten.mm (all overloads) or torch.ops.aten.mm.default"
+                )
+        if not resolved:
+            raise SlapoError("checkpoint policy: the list of ops to save is empty")
+        return functools.partial(_save_listed, frozenset(resolved))
+    raise SlapoError(
+        f"checkpoint policy must be a name ({', '.join(sorted(CHECKPOINT_POLICIES))}), a list of "
+        f"aten ops or a function, got {type(policy).__name__}"
+    )
+
+
+def _outer_pack_hook() -> Callable[[torch.Tensor], Any] | None:
+    """The pack function of the saved-tensor hooks active here, if any (None: none, or this torch
+    does not say)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(True) if top is not None else None
+    return hooks[0] if hooks else None
+
+
+def _shown_to(pack: Callable[[torch.Tensor], Any] | None, policy: Callable[..., Any]) -> Any:
+    """``policy``, which also hands each output it keeps in forward to ``pack``.
+
+    A selective checkpoint keeps those outputs in its own cache, where saved-tensor hooks do not
+    see them; accounting built on the hooks (``slapo.train.PeakMemory``) would miss their bytes.
+    """
+    if pack is None:
+        return policy
+    cp = _torch_ckpt.CheckpointPolicy
+
+    def counted(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        decision = policy(ctx, op, *args, **kwargs)
+        keep = decision in (cp.MUST_SAVE, cp.PREFER_SAVE) or decision is True
+        output = getattr(ctx, "op_output", None)
+        if keep and not ctx.is_recompute and output is not None:
+            for t in torch.utils._pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    pack(t.detach())
+        return decision
+
+    return counted
+
+
+def _selective_context_fn(policy: Callable[..., Any]) -> Callable[[], tuple[Any, Any]]:
+    """Checkpoint contexts of a selective checkpoint that also restore the tracker states."""
+    pack = _outer_pack_hook()
+
+    def context_fn() -> tuple[Any, Any]:
+        forward_ctx, recompute_ctx = _torch_ckpt.create_selective_checkpoint_contexts(
+            _shown_to(pack, policy)
+        )
+        _, tracker_ctx = _tracker_context_fn()
+        # The tracker's states are swapped in before the cache's dispatch mode starts (and back
+        # after it ends): its clones must not count among the recomputed ops.
+        return forward_ctx, _entered_together(tracker_ctx, recompute_ctx)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _entered_together(*contexts: contextlib.AbstractContextManager) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        yield
+
+
 def checkpoint(
-    function: Callable[..., Any], *args: Any, use_reentrant: bool = True, **kwargs: Any
+    function: Callable[..., Any],
+    *args: Any,
+    use_reentrant: bool = True,
+    policy: Policy | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Checkpoint a model or part of it, restoring the tracker's RNG states on recompute.
 
@@ -229,12 +434,33 @@ def checkpoint(
     runs the non-reentrant implementation instead (same results). ``use_reentrant=False`` also
     passes ``**kwargs`` to ``function``.
 
+    ``policy`` (non-reentrant only) makes the checkpoint selective: the outputs of the ops it
+    names are kept in forward and the rest is recomputed; see :func:`checkpoint_policy`. The kept
+    outputs are also handed to the pack hook of any ``saved_tensors_hooks`` active around the call
+    (its result is dropped), so that memory accounting built on those hooks counts them. Inside
+    ``torch.compile`` the compiler's partitioner applies the policy (no tracker states there:
+    compiled code draws its random numbers from the default generator).
+
     Example:
         >>> layer = torch.nn.Linear(4, 4)
         >>> y = checkpoint(layer, torch.randn(2, 4, requires_grad=True))
         >>> y.sum().backward()
         >>> z = checkpoint(layer, torch.randn(2, 4), use_reentrant=False)
+        >>> z = checkpoint(layer, torch.randn(2, 4), use_reentrant=False, policy="save_matmuls")
     """
+    if policy is not None and use_reentrant:
+        raise SlapoError(
+            "slapo.checkpoint: a selective checkpoint (policy=) needs use_reentrant=False"
+        )
+    policy_fn = checkpoint_policy(policy) if policy is not None else None
+    if not use_reentrant and torch.compiler.is_compiling():
+        # Dynamo turns the call into a higher-order op and accepts only torch's own contexts.
+        if policy_fn is None:
+            return _torch_ckpt.checkpoint(function, *args, use_reentrant=False, **kwargs)
+        context_fn = functools.partial(_torch_ckpt.create_selective_checkpoint_contexts, policy_fn)
+        return _torch_ckpt.checkpoint(
+            function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
+        )
     if use_reentrant:
         if kwargs:
             raise SlapoError(
@@ -246,6 +472,7 @@ def checkpoint(
             return _torch_ckpt.checkpoint(
                 _reentrant_with_tracker(function), *args, use_reentrant=True
             )
+    context_fn = _tracker_context_fn if policy_fn is None else _selective_context_fn(policy_fn)
     return _torch_ckpt.checkpoint(
-        function, *args, use_reentrant=False, context_fn=_tracker_context_fn, **kwargs
+        function, *args, use_reentrant=False, context_fn=context_fn, **kwargs
     )

@@ -13,7 +13,11 @@ from dist_utils import free_port
 from slapo.data import ByteBatches, default_corpus
 from slapo.train import TrainConfig, default_schedule, train
 
-SMALL = {"steps": 3, "batch_size": 2, "seq_len": 16, "progress": False}
+# No baseline, no text, no compilation: the tests below compare loss curves exactly.
+SMALL = {
+    "steps": 3, "batch_size": 2, "seq_len": 16, "progress": False,
+    "baseline_steps": 0, "sample": False, "compile_model": False,
+}  # fmt: skip
 
 
 def test_corpus_is_real_text_and_batches_reproduce():
@@ -37,6 +41,48 @@ def test_scheduled_training_gives_the_unscheduled_loss_curve():
     # kernels on the same operands (RNG restored), and both runs train without the KV cache.
     assert scheduled["losses"] == plain["losses"]
     assert all(x > 0 for x in scheduled["step_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_the_default_run_shows_the_schedule_beside_a_short_eager_baseline(tmp_path):
+    from slapo.model_schedule import recommended_knobs
+    from slapo.train import format_summary
+
+    cfg = {"steps": 4, "batch_size": 2, "seq_len": 16, "progress": False}
+    out = train(TrainConfig(baseline_steps=2, output_dir=str(tmp_path), **cfg))
+    knobs = recommended_knobs("llama")
+    assert {k: out["knobs"][k] for k in knobs} == knobs and out["knobs"]["compile_model"]
+    base = out["baseline"]
+    assert base["label"] == "unscheduled" and len(base["losses"]) == 2 and len(out["losses"]) == 4
+    # the same weights and batches: the compiled, checkpointed model starts on eager's loss
+    # (float32 tolerance: inductor orders the reductions of the norms and softmax its own way)
+    assert abs(base["losses"][0] - out["losses"][0]) < 1e-4
+    assert abs(base["losses"][1] - out["losses"][1]) < 1e-3
+    assert out["activation_mb"] < 0.7 * base["activation_mb"]  # selective checkpointing
+    assert base["estimated_peak_mb"] == pytest.approx(base["peak_memory_mb"], rel=0.1)
+    assert out["estimated_peak_mb"] == pytest.approx(out["peak_memory_mb"], rel=0.1)
+    assert out["sample"] and out["sample"][0].startswith("def ")
+    assert (tmp_path / "loss.png").exists()
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["baseline"]["losses"] == base["losses"] and metrics["sample"] == out["sample"]
+    text = format_summary(out)
+    assert "unscheduled (2 steps)" in text and "x peak memory" in text
+    assert "text from the trained model:" in text and "compile_model=True" in text
+
+
+def test_text_from_every_family():
+    from slapo.train import build_model
+    from slapo.train.sample import sample_text
+
+    for family in ("llama", "gpt2", "opt"):
+        lines = sample_text(build_model(TrainConfig(model=family)), family, new_tokens=12)
+        text = "\n".join(lines)  # the prompt and up to 12 bytes (fewer after an end-of-text)
+        assert text.startswith("def ") and 4 < len(text) <= 16
+    masked, filled = sample_text(build_model(TrainConfig(model="bert")), "bert")
+    assert masked.startswith("masked:  ") and "_" in masked and filled.startswith("filled:  ")
+    assert len(masked) == len(filled)
+    original, copy = sample_text(build_model(TrainConfig(model="t5")), "t5", new_tokens=16)
+    assert original.startswith("input:   ") and copy.startswith("output:  ")
 
 
 def test_default_schedule_checkpoints_a_fraction_of_layers():
@@ -69,12 +115,20 @@ def test_cli_train_writes_metrics_and_prints_a_summary(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout and "peak memory" in out.stdout
+    assert f"metrics.json and loss.png: {tmp_path}" in out.stdout
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     last = json.loads(out.stdout.strip().splitlines()[-1])  # the line `slapo tune` reads
     assert last["throughput"] == metrics["tokens_per_s"] > 0
     assert len(metrics["losses"]) == 2 and metrics["config"]["seq_len"] == 16
     bad = subprocess.run([*cmd[:4], "--steps", "0"], capture_output=True, text=True, timeout=240)
     assert bad.returncode != 0 and "--steps must be positive" in bad.stderr
+    # without --output-dir: a run directory of its own under ./runs, printed
+    default = [*cmd[:-3], "--baseline-steps", "0", "--no-sample", "--compile-model", "false"]
+    out = subprocess.run(default, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert run_dir.name.startswith("llama-") and (run_dir / "metrics.json").exists()
+    assert f"metrics.json and loss.png: runs/{run_dir.name}" in out.stdout
 
 
 @pytest.mark.parametrize("model", ["gpt2", "bert", "opt", "t5"])
@@ -95,7 +149,7 @@ def test_compare_runs_baseline_and_schedule_side_by_side(tmp_path):
     assert base["losses"] == out["losses"]  # checkpointing changes no numerics
     assert out["activation_mb"] < base["activation_mb"]
     table = format_summary(out)
-    assert "unscheduled" in table and "scheduled / unscheduled tokens/s" in table
+    assert "unscheduled" in table and "scheduled / unscheduled" in table and "x tokens/s" in table
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["baseline"]["losses"] == metrics["losses"] and len(metrics["losses"]) == 3
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,7 +12,10 @@ import pytest
 from slapo.train import TrainConfig, train, write_outputs
 
 PNG = b"\x89PNG\r\n\x1a\n"
-SMALL = {"steps": 2, "batch_size": 2, "seq_len": 16, "progress": False}
+SMALL = {
+    "steps": 2, "batch_size": 2, "seq_len": 16, "progress": False,
+    "baseline_steps": 0, "sample": False, "compile_model": False,
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -181,12 +181,13 @@ def test_register_a_family_and_pass_it_by_name():
 
 
 def test_every_knob_is_a_tuning_symbol():
+    shared = {"ckpt_ratio", "ckpt_policy", "compile_blocks", "compile_model", "attn_op"}
     gpt2 = tuning_space(Space(), "gpt2", world_size=2, tp_size=2).to_dict()
-    assert set(gpt2) == {"ckpt_ratio", "attn_op", "fuse_ops", "sequence_parallel", "num_stages"}
+    assert set(gpt2) == shared | {"fuse_ops", "sequence_parallel", "num_stages"}
     llama = tuning_space(Space(), "llama")
-    assert set(llama.to_dict()) == {"ckpt_ratio", "attn_op", "fused_loss"}
+    assert set(llama.to_dict()) == shared | {"fused_loss"}
     assert set(llama.to_dict()) <= set(Knobs.__dataclass_fields__)
     configs = list(Space(lambda args, space: tuning_space(space, "llama")))
-    assert len(configs) == 3 * len(llama["attn_op"].vals) * 2
+    assert len(configs) == 3 * len(llama["ckpt_policy"].vals) * 4 * len(llama["attn_op"].vals) * 2
     for cfg in configs:  # every point of the space is a valid schedule
         apply_schedule(H.make("llama"), **cfg)

@@ -17,8 +17,18 @@ def _mse_mb(n_mb):
     return lambda out, y: nn.functional.mse_loss(out, y) / n_mb
 
 
+@pytest.fixture(params=[None, 1.0], ids=["no_link", "link"])
+def link(request, ndev):
+    """The ``ndev`` CPU virtual devices without, or re-created with, a modelled link (1 GB/s:
+    these small layers hold it for microseconds). With the link, copy engines run transfers on
+    their own threads: stage uploads are prefetched and gradients land in the background."""
+    if request.param is not None:
+        roundpipe.init_devices(num_virtual=ndev, link_gbps=request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("mode", ["forward_backward", "autograd"])
-def test_sync_training_equals_pytorch(ndev, mode):
+def test_sync_training_equals_pytorch(ndev, link, mode):
     ref = mlp(5)
     net = copy.deepcopy(ref)
     model = RoundPipe(net, pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=4))
@@ -90,7 +100,7 @@ def test_inference_matches_and_keeps_no_state(ndev):
 
 
 @pytest.mark.parametrize("fixed_plan", [False, True], ids=["auto_plan", "fixed_plan"])
-def test_async_training_equals_delayed_update_reference(ndev, fixed_plan):
+def test_async_training_equals_delayed_update_reference(ndev, link, fixed_plan):
     net0 = mlp(4)
     net = copy.deepcopy(net0)
     plan = None
@@ -189,11 +199,12 @@ def test_save_for_recompute_roundtrip(two_devices):
     assert roundpipe.doing_recompute() is False
 
 
-def test_model_four_times_budget_trains_within_budget():
+@pytest.mark.parametrize("link_gbps", [None, 1.0], ids=["no_link", "link"])
+def test_model_four_times_budget_trains_within_budget(link_gbps):
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(16)])
     size = sum(p.numel() * 4 for p in net.parameters())
     budget = size // 4
-    devs = roundpipe.init_devices(num_virtual=2, memory_limit=budget)
+    devs = roundpipe.init_devices(num_virtual=2, memory_limit=budget, link_gbps=link_gbps)
     ref = copy.deepcopy(net)
     model = RoundPipe(net, pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=2))
     opt = torch.optim.Adam(model.optim_parameters(), lr=1e-3)
@@ -244,7 +255,7 @@ class _Boom(nn.Module):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("when", ["forward", "recompute"])
-def test_layer_error_mid_pipeline_is_raised_without_hanging(ndev, when):
+def test_layer_error_mid_pipeline_is_raised_without_hanging(ndev, link, when):
     boom = _Boom(when)
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), boom, nn.Linear(8, 8), nn.Linear(8, 1))
     plan = roundpipe.ModelExecutePlan()
@@ -428,3 +439,22 @@ def test_callable_split_and_merge(two_devices):
         out = model(x)
     assert calls == [2]
     assert_close(out, ref(x).detach() * 2, "custom merge")
+
+
+def test_caller_autocast_applies_on_the_device_workers(two_devices):
+    """autocast is thread-local: RoundPipe re-enters the caller's region on its workers, for
+    the forward stages and for the recompute in backward."""
+    ref = mlp(4, width=32)
+    net = copy.deepcopy(ref)
+    model = RoundPipe(net, pin_model="off", model_run_config=RoundPipeRunConfig(num_microbatch=2))
+    x, y = torch.randn(8, 8), torch.randn(8, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+        ref_out = ref(x)
+    assert out.dtype == torch.bfloat16 == ref_out.dtype
+    nn.functional.mse_loss(out.float(), y).backward()
+    nn.functional.mse_loss(ref_out.float(), y).backward()
+    # bf16 products, two microbatches against one batch
+    torch.testing.assert_close(out, ref_out, rtol=2e-2, atol=2e-2)
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2)

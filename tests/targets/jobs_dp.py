@@ -141,24 +141,3 @@ def dp_tp_checks(rank: int, world: int) -> dict:
         "ddp_tp_llama": lambda: check_dp_tp("llama", "ddp", rank, world),
         "fsdp_tp_gpt2": lambda: check_dp_tp("gpt2", "fsdp", rank, world),
     }
-
-
-def deepspeed_job(rank: int, world: int) -> None:
-    """ZeRO-2 through the "deepspeed" target: 3 steps equal one process on the whole batch."""
-    ref = reference("gpt2")
-    sch = slapo.create_schedule(hf_models.make("gpt2", dropout=0.0))
-    engine, _ = slapo.build(
-        sch,
-        target="deepspeed",
-        zero_stage=2,
-        micro_batch_size=batches()[0]["input_ids"].shape[0] // world,
-        optimizer=torch.optim.SGD,
-        optimizer_kwargs=OPT,
-    )
-    for data in batches():
-        per = data["input_ids"].shape[0] // world
-        part = {k: v[rank * per : (rank + 1) * per] for k, v in data.items()}
-        engine.backward(engine(**part).loss)
-        engine.step()
-    for name, p in engine.module.named_parameters():
-        torch.testing.assert_close(p.detach(), ref[name], **TOL, msg=lambda m, n=name: n + m)

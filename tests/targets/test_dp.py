@@ -7,7 +7,6 @@ the suite's shared jobs (``conftest.py``).
 from __future__ import annotations
 
 import hf_models
-import jobs_dp
 import pytest
 
 import slapo
@@ -45,11 +44,3 @@ def test_deepspeed_without_deepspeed_says_how_to_get_it():
     sch = slapo.create_schedule(hf_models.make("gpt2"))
     with pytest.raises(TargetError, match="pip install deepspeed"):
         slapo.build(sch, target="deepspeed")
-
-
-def test_deepspeed_zero_matches_one_process():
-    """ZeRO-2 on 2 ranks equals one process after 3 steps (runs only where deepspeed is)."""
-    pytest.importorskip("deepspeed")
-    from dist_utils import check_all, run_workers
-
-    check_all(run_workers(jobs_dp.deepspeed_job, 2, deadline=200))

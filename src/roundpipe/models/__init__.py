@@ -4,6 +4,12 @@ A preset turns a ``*ForCausalLM`` model into a list of layers (embedding, one la
 transformer block, head) that RoundPipe pipelines; the original module tree stays intact,
 so checkpoints and attribute access are unchanged.
 
+A ``peft`` adapter model (``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``, ...) uses the
+preset of the transformers model inside it: the layers come from that model (its blocks now hold
+the adapter modules) while the RoundPipe root stays the PEFT model, so ``save_pretrained`` and
+the parameter names are PEFT's. Prompt-learning adapters (prefix / prompt tuning) change the
+forward itself and get no preset.
+
 Attributes:
     SUPPORTED_MODELS: ``config.model_type`` -> preset module path.
     DISABLE_TORCH_COMPILE: presets never call ``torch.compile`` (kept for API parity).
@@ -12,6 +18,7 @@ Attributes:
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __all__ = ["DISABLE_TORCH_COMPILE", "SUPPORTED_MODELS", "find_preset", "wrap_model"]
@@ -24,9 +31,36 @@ SUPPORTED_MODELS: dict[str, str] = {
 }
 
 
+def peft_base_model(model: Any) -> tuple[bool, Any]:
+    """``(is_peft, inner)``: whether ``model`` is a PEFT wrapper, and the transformers model
+    whose layers a preset pipelines (``model`` itself when it is not a PEFT wrapper; ``None``
+    for a prompt-learning adapter, whose forward must not be bypassed).
+
+    Example:
+        >>> peft_base_model(torch.nn.Linear(2, 2))[0]
+        False
+    """
+    if "peft" not in sys.modules:  # a PEFT model exists only once peft was imported
+        return False, model
+    # deferred: peft is optional; it is already imported here
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTuner  # deferred: as above
+
+    inner = model
+    if isinstance(inner, PeftModel):
+        if inner.active_peft_config.is_prompt_learning:
+            return True, None  # its forward prepends virtual tokens to every call
+        inner = inner.base_model
+    if isinstance(inner, BaseTuner):  # LoraModel & co.: forward is the wrapped model's forward
+        return True, inner.model
+    return inner is not model, inner
+
+
 def find_preset(model: Any) -> Any | None:
-    """The preset module for ``model``, or ``None`` if its family is not supported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    """The preset module for ``model`` (or for the model inside a PEFT adapter wrapper), or
+    ``None`` if its family is not supported."""
+    _, inner = peft_base_model(model)
+    model_type = getattr(getattr(inner, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODELS:
         return None
     return importlib.import_module(SUPPORTED_MODELS[model_type])
@@ -39,16 +73,24 @@ def wrap_model(model: Any, **roundpipe_kwargs: Any) -> Any:
         NotImplementedError: the model type has no preset, or its class is not the one the
             preset expects (e.g. a base model without LM head).
     """
+    is_peft, inner = peft_base_model(model)
+    if inner is None:
+        raise NotImplementedError(
+            f"no RoundPipe preset for a prompt-learning PEFT model ({type(model).__name__}): its "
+            "forward adds virtual tokens; wrap it with use_sequential_preset=False"
+        )
     preset = find_preset(model)
     if preset is None:
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        model_type = getattr(getattr(inner, "config", None), "model_type", None)
         raise NotImplementedError(
             f"no RoundPipe preset for model type {model_type!r}; "
             f"supported: {sorted(SUPPORTED_MODELS)}"
         )
-    if type(model).__name__ not in preset.MODEL_CLASSES:
+    if type(inner).__name__ not in preset.MODEL_CLASSES:
         raise NotImplementedError(
             f"the {preset.__name__} preset supports {preset.MODEL_CLASSES}, "
-            f"got {type(model).__name__}"
+            f"got {type(inner).__name__}"
         )
+    if is_peft:  # layers from the inner model, the PEFT model stays the root
+        return preset.wrap(inner, root=model, **roundpipe_kwargs)
     return preset.wrap(model, **roundpipe_kwargs)

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+# Keywords PeftModel.forward handles itself (per-sample adapters) before calling the model.
+_PEFT_FORWARD_ARGS = frozenset({"adapter_names", "alora_offsets"})
+
 
 def causal_mask(
     config: Any,
@@ -59,6 +62,12 @@ class DecoderEmbed(nn.Module):
     ) -> tuple:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        peft_args = sorted(_PEFT_FORWARD_ARGS.intersection(unused))
+        if peft_args:  # PeftModel.forward would route them to hooks the preset layers bypass
+            raise NotImplementedError(
+                f"RoundPipe's preset runs the PEFT model's layers directly and cannot honour "
+                f"{peft_args}: call it without them (one active adapter for the whole batch)"
+            )
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if position_ids is None:
             position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)

@@ -50,12 +50,16 @@ class GPT2BlockLayer(nn.Module):
         return hidden, attention_mask, position_ids, labels
 
 
-def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
-    """Wrap a ``GPT2LMHeadModel``; call it like the original (``input_ids``, ``labels``, ...)."""
+def wrap(model: nn.Module, root: nn.Module | None = None, **roundpipe_kwargs: Any) -> RoundPipe:
+    """Wrap a ``GPT2LMHeadModel``; call it like the original (``input_ids``, ``labels``, ...).
+
+    ``root`` is the module the RoundPipe model stands for when it is not ``model`` itself
+    (a PEFT model around it); the layers always come from ``model``.
+    """
     t = model.transformer
     layers = [
         GPT2Embed(t.wte, t.wpe, t.drop),
         *[GPT2BlockLayer(b, model.config) for b in t.h],
         DecoderHead(t.ln_f, model.lm_head, model),
     ]
-    return RoundPipe(model, layers=layers, **roundpipe_kwargs)
+    return RoundPipe(model if root is None else root, layers=layers, **roundpipe_kwargs)

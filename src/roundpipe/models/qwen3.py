@@ -12,6 +12,12 @@ from .decoder import decoder_layers
 MODEL_CLASSES = ("Qwen3ForCausalLM",)
 
 
-def wrap(model: nn.Module, **roundpipe_kwargs: Any) -> RoundPipe:
-    """Wrap a ``Qwen3ForCausalLM``; call it like the original (``input_ids``, ``labels``, ...)."""
-    return RoundPipe(model, layers=decoder_layers(model), **roundpipe_kwargs)
+def wrap(model: nn.Module, root: nn.Module | None = None, **roundpipe_kwargs: Any) -> RoundPipe:
+    """Wrap a ``Qwen3ForCausalLM``; call it like the original (``input_ids``, ``labels``, ...).
+
+    ``root`` is the module the RoundPipe model stands for when it is not ``model`` itself
+    (a PEFT model around it); the layers always come from ``model``.
+    """
+    return RoundPipe(
+        model if root is None else root, layers=decoder_layers(model), **roundpipe_kwargs
+    )

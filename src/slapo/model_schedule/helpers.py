@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 
 from ..exceptions import SlapoError
 from ..op import attention, register_transformers_attention
+from ..random import recompute_dropout
 from ..schedule import Schedule
 from ..sharding import resolve_group
 from ..surgery import is_conv1d
@@ -35,6 +37,7 @@ __all__ = [
     "divide_attrs",
     "tp_size",
     "checkpoint_blocks",
+    "compile_blocks",
     "cut_stages",
     "use_attention",
     "apply_shared_knobs",
@@ -99,14 +102,39 @@ def divide_attrs(sch: Schedule, path: str, *attrs: str) -> None:
         setattr(mod, attr, value // world)
 
 
-def checkpoint_blocks(sch: Schedule, paths: list[str], ratio: float) -> list[str]:
-    """Checkpoint the first ``ceil(ratio * len(paths))`` blocks; returns their paths."""
+def checkpoint_blocks(
+    sch: Schedule,
+    paths: list[str],
+    ratio: float,
+    policy: str | None = None,
+    recompute_dropout_in: Collection[str] = (),
+) -> list[str]:
+    """Checkpoint the first ``ceil(ratio * len(paths))`` blocks; returns their paths.
+
+    ``policy``: a selective-checkpoint policy (``"save_matmuls"``, ...); None recomputes all.
+    The blocks in ``recompute_dropout_in`` recompute their dropout instead of keeping it
+    (``slapo.random.recompute_dropout``: an inductor bug around a kept dropout).
+    """
     chosen = paths[: math.ceil(ratio * len(paths))]
     for path in chosen:
         # The primitive runs the block without its key/value cache while gradients are recorded
         # (a recompute would write it twice); the config is left alone, so generate() keeps it.
-        sch[path].checkpoint()
+        if policy is not None and path in recompute_dropout_in:
+            sch[path].checkpoint(policy=recompute_dropout(policy))
+        else:
+            sch[path].checkpoint(policy=policy)
     return chosen
+
+
+def compile_blocks(sch: Schedule, paths: list[str]) -> None:
+    """Compile each block (inductor) for training; eval and ``generate`` run it eagerly.
+
+    Applied after sharding and checkpointing, so the compiler sees the local shapes and plans
+    the recompute of a checkpointed block itself. Dropout draws from torch's generator as in
+    eager code (the ``compile`` primitive's default): the same masks as the unscheduled model.
+    """
+    for path in paths:
+        sch[path].compile(grad_only=True)
 
 
 def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
@@ -123,19 +151,31 @@ def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
     return cuts
 
 
-def apply_shared_knobs(sch: Schedule, k: Knobs, layers: list[str], head: str, shift: bool) -> None:
+def apply_shared_knobs(
+    sch: Schedule,
+    k: Knobs,
+    layers: list[str],
+    head: str,
+    shift: bool,
+    recompute_dropout_in: Collection[str] = (),
+) -> None:
     """Apply the knobs every family handles alike, after its own plan: the attention kernel,
-    checkpointing of ``layers``, the fused loss from the hidden states at ``head`` (``shift``:
-    next-token prediction), and the pipeline cuts between ``layers``.
+    checkpointing of ``layers`` (selective with ``ckpt_policy``), their compilation, the fused
+    loss from the hidden states at ``head`` (``shift``: next-token prediction), the pipeline
+    cuts between ``layers``, and the compilation of the whole model. ``recompute_dropout_in``: see :func:`checkpoint_blocks`.
 
     Example:
         >>> apply_shared_knobs(sch, knobs, blocks(sch, "model.layers"), "lm_head", shift=True)
     """
     use_attention(sch, k.attn_op)
-    checkpoint_blocks(sch, layers, k.ckpt_ratio)
+    checkpoint_blocks(sch, layers, k.ckpt_ratio, k.selective_policy, recompute_dropout_in)
+    if k.compile_blocks:
+        compile_blocks(sch, layers)
     if k.fused_loss:
         install_fused_loss(sch, head, shift=shift)
     cut_stages(sch, layers, k.num_stages)
+    if k.compile_model:
+        sch.compile(grad_only=True)  # last: the region holds every primitive applied above
 
 
 def use_attention(sch: Schedule, attn_op: str | None) -> int:

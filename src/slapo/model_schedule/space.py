@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ..tune import Space
+from .knobs import CKPT_POLICIES
 
 __all__ = ["tuning_space", "update_space", "FUSIBLE"]
 
@@ -24,9 +25,13 @@ def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 
     Example:
         >>> space = Space()
         >>> sorted(tuning_space(space, "gpt2").to_dict())
-        ['attn_op', 'ckpt_ratio', 'fuse_ops', 'fused_loss']
+        ['attn_op', 'ckpt_policy', 'ckpt_ratio', 'compile_blocks', 'compile_model', 'fuse_ops',
+         'fused_loss']
     """
     space.create_symbol("ckpt_ratio", [0.0, 0.5, 1.0])
+    space.create_symbol("ckpt_policy", list(CKPT_POLICIES))
+    space.create_symbol("compile_blocks", [False, True])
+    space.create_symbol("compile_model", [False, True])
     space.create_symbol(
         "attn_op", ["eager", "sdpa"] + (["flash"] if torch.cuda.is_available() else [])
     )

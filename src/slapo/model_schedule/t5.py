@@ -35,4 +35,11 @@ def t5(sch: Schedule, k: Knobs) -> None:
                 divide_attrs(sch, path, "n_heads", "inner_dim")
                 if "relative_attention_bias" in sch[path].child:
                     sch[f"{path}.relative_attention_bias"].shard("weight", axis=1)  # heads
-    apply_shared_knobs(sch, k, layers, "lm_head", shift=False)
+    # The blocks that compute the relative position bias (an embedding) and hand it on: inductor
+    # (torch 2.13, CPU) mis-indexes its backward there when the block keeps its dropout.
+    bias_blocks = [
+        blk
+        for blk in layers
+        if hasattr(sch[f"{blk}.layer.0"].mod.SelfAttention, "relative_attention_bias")
+    ]
+    apply_shared_knobs(sch, k, layers, "lm_head", shift=False, recompute_dropout_in=bias_blocks)

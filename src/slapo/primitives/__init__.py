@@ -5,6 +5,7 @@ from ..sharding.sync_ops import register_sync_op
 from . import (  # noqa: F401  (importing registers the primitives)
     annotate,
     checkpoint,
+    compile,
     cut_pipeline_stage,
     decompose,
     find,

@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
-from ..exceptions import PrimitiveError
+from ..exceptions import PrimitiveError, SlapoError
 from ..logger import get_logger
+from ..random import CHECKPOINT_POLICIES, checkpoint_policy
 from ..random import checkpoint as rng_checkpoint
 from ..schedule import Primitive, Schedule, register_primitive
-from ..surgery import wrap_forward
+from ..surgery import forward_wraps, wrap_forward
+from .fuse import _is_subgraph
 from .subgraph_checkpoint import checkpoint_subgraph
 
 # The arguments through which transformers layers read and write their key/value cache (the names
@@ -41,11 +43,12 @@ def _positions(func: Callable[..., Any]) -> dict[str, int]:
 
 
 def _without_cache(
-    path: str, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    path: str, positions: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call's arguments with the key/value cache turned off; warns once per process."""
-    func = getattr(forward, "__func__", None)
-    positions = _positions(func) if func is not None else {}
+    """The call's arguments with the key/value cache turned off; warns once per process.
+
+    ``positions``: where the cache arguments sit among the positional ones (:func:`_positions`).
+    """
     args, kwargs, changed = list(args), dict(kwargs), []
     for name, off in _CACHE_ARGS.items():
         if name in kwargs:
@@ -75,15 +78,31 @@ def _without_cache(
     return tuple(args), kwargs
 
 
-def _checkpointed(path: str) -> Callable[..., Any]:
+def _checkpointed(
+    path: str, forward: Callable[..., Any], policy: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    # Read the signature of the forward now, not at each call: under torch.compile the bound
+    # method's introspection would break the graph.
+    positions = _positions(forward)
+
     def run(forward: Any, *args: Any, **kwargs: Any) -> Any:
         # Checkpointing buys nothing when no graph is recorded (eval, no_grad); torch would warn.
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        args, kwargs = _without_cache(path, forward, args, kwargs)
-        return rng_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        args, kwargs = _without_cache(path, positions, args, kwargs)
+        return rng_checkpoint(forward, *args, use_reentrant=False, policy=policy, **kwargs)
 
     return run
+
+
+def resolve_policy(where: str, policy: Any) -> Callable[..., Any] | None:
+    """The policy function of ``checkpoint(policy=...)`` on ``where``; None: full checkpoint."""
+    if policy is None:
+        return None
+    try:
+        return checkpoint_policy(policy)
+    except SlapoError as exc:
+        raise PrimitiveError(f'checkpoint on "{where}": {exc}') from None
 
 
 @register_primitive()
@@ -94,6 +113,15 @@ class CheckpointPrimitive(Primitive):
     masks match on recompute. Parameter names do not change. After ``trace``, pass a subgraph to
     checkpoint only that part of the graph.
 
+    ``policy`` makes it a selective checkpoint (torch's selective-checkpoint contexts): the
+    outputs of the ops it names are kept and only the rest is recomputed. ``"save_matmuls"``
+    keeps matrix products and attention kernels and recomputes the cheap elementwise and norm
+    ops; ``"save_attention"`` keeps attention kernels only; a list of aten ops (e.g.
+    ``[torch.ops.aten.mm, torch.ops.aten.addmm]``) or a policy function
+    (``slapo.random.checkpoint_policy``) also works. In a compiled module (``compile``) the
+    compiler applies the policy with no runtime cost; eagerly every op of the module passes
+    through a Python dispatch mode, which costs time on small models.
+
     While gradients are recorded, a checkpointed transformers layer runs without its key/value
     cache (``use_cache=False``, ``past_key_values=None``; one warning), as under transformers'
     ``gradient_checkpointing_enable()``: the recompute would append to the cache a second time.
@@ -102,18 +130,33 @@ class CheckpointPrimitive(Primitive):
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> sch["0"].checkpoint()
+        >>> sch["1"].checkpoint(policy="save_matmuls")  # or checkpoint("save_matmuls")
     """
 
     name = "checkpoint"
 
     @staticmethod
-    def apply(sch: Schedule, subgraph: Any = None, **kwargs: Any) -> None:
+    def apply(sch: Schedule, subgraph: Any = None, policy: Any = None, **kwargs: Any) -> Any:
+        where = sch.path or type(sch.mod).__name__
+        if subgraph is not None and not _is_subgraph(subgraph):  # checkpoint("save_matmuls")
+            if policy is not None:
+                raise PrimitiveError(f'checkpoint on "{where}": the policy is given twice')
+            subgraph, policy = None, subgraph
+        policy_fn = resolve_policy(where, policy)
+        if "compile" in forward_wraps(sch.mod):
+            raise PrimitiveError(
+                f'checkpoint on "{where}" after compile(): the compiled code would be recomputed '
+                "from outside, eagerly. Apply checkpoint first, then compile: the compiler then "
+                "plans the recompute itself"
+            )
         if subgraph is not None:
-            return checkpoint_subgraph(sch, subgraph, **kwargs)
+            return checkpoint_subgraph(sch, subgraph, policy=policy_fn, **kwargs)
         if kwargs:
             raise PrimitiveError(
-                f'checkpoint() got unexpected arguments {sorted(kwargs)} on "{sch.path}"'
+                f'checkpoint() got unexpected arguments {sorted(kwargs)} on "{where}"; it takes '
+                "an optional subgraph and policy= (one of "
+                f"{', '.join(sorted(CHECKPOINT_POLICIES))}, a list of aten ops or a function)"
             )
         sch.require_unapplied("checkpoint")
-        wrap_forward(sch.mod, "checkpoint", _checkpointed(sch.path or type(sch.mod).__name__))
+        wrap_forward(sch.mod, "checkpoint", _checkpointed(where, type(sch.mod).forward, policy_fn))
         return None

@@ -20,25 +20,30 @@ class CheckpointedSubgraph(nn.Module):
     before scheduling) are unchanged, and ``.to()``/``train()`` reach them through their owner.
     """
 
-    def __init__(self, graph_module: fx.GraphModule) -> None:
+    def __init__(self, graph_module: fx.GraphModule, policy: Any = None) -> None:
         super().__init__()
         object.__setattr__(self, "graph_module", graph_module)  # not registered: see above
+        self.policy = policy  # None: recompute everything; else a selective-checkpoint policy
 
     def forward(self, *args: Any) -> Any:
         if not torch.is_grad_enabled():  # nothing to save memory on (eval, no_grad)
             return self.graph_module(*args)
-        return rng_checkpoint(self.graph_module, *args, use_reentrant=False)
+        return rng_checkpoint(self.graph_module, *args, use_reentrant=False, policy=self.policy)
 
     def extra_repr(self) -> str:
         calls = [str(n.target) for n in self.graph_module.graph.nodes if n.op == "call_module"]
         return f"calls={calls}" if calls else ""
 
 
-def checkpoint_subgraph(sch: Schedule, subgraph: Any, name: str = "checkpoint") -> list[str]:
+def checkpoint_subgraph(
+    sch: Schedule, subgraph: Any, name: str = "checkpoint", policy: Any = None
+) -> list[str]:
     """Move each subgraph into its own module and checkpoint that module.
 
     Dropout masks are kept on recompute (RNG states are restored), so loss and gradients equal
-    the uncheckpointed graph's. Parameter names do not change. Returns the new modules' names.
+    the uncheckpointed graph's. Parameter names do not change. ``policy``: a selective-checkpoint
+    policy function (``slapo.random.checkpoint_policy``); None recomputes everything. Returns the
+    new modules' names.
 
     Example:
         >>> found = sch["mlp"].find(lambda x: F.gelu(call_module("fc1", x)))  # traces by need
@@ -51,6 +56,6 @@ def checkpoint_subgraph(sch: Schedule, subgraph: Any, name: str = "checkpoint") 
         "checkpoint",
         name,
         "CheckpointedSubgraph",
-        lambda gm, owner: CheckpointedSubgraph(gm),
+        lambda gm, owner: CheckpointedSubgraph(gm, policy),
         keep_called=True,
     )

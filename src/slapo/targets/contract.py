@@ -8,18 +8,20 @@
         optimizer.step()
         optimizer.zero_grad()
 
-Every target honours it ("eager", "ddp", "fsdp", "pipeline", "roundpipe"):
+Every target honours it ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed"):
 
 * :func:`train_step` runs the built model's own ``train_step(batch)`` when it has one: the
   pipeline engine runs its schedule over every stage and microbatch and returns the mean loss on
-  every rank. Otherwise it runs one forward and ``loss.backward()``.
-* The optimizer ``build`` returns applies what the backward left: a torch optimizer, or for
-  RoundPipe the wrapper that steps RoundPipe's optimizer copies.
+  every rank; DeepSpeed's engine runs forward and ``engine.backward(loss)`` (or its pipeline
+  schedule without the optimizer step). Otherwise it runs one forward and ``loss.backward()``.
+* The optimizer ``build`` returns applies what the backward left: a torch optimizer, for
+  RoundPipe the wrapper that steps RoundPipe's optimizer copies, for DeepSpeed the wrapper whose
+  ``step()`` is DeepSpeed's step.
 * Whatever a target does around backward (the gradient all-reduce of ddp and fsdp, the sum of
   weights tied across pipeline stages, RoundPipe's gradient streaming) happens inside its model
   or optimizer, never in the loop: the loop names no target.
-* Where a forward returns the loss (eager, ddp, fsdp, roundpipe), the ordinary
-  ``model(**batch).loss.backward(); optimizer.step()`` trains as well.
+* Where a forward returns the loss (eager, ddp, fsdp, roundpipe, deepspeed with ZeRO 1-3), the
+  ordinary ``model(**batch).loss.backward(); optimizer.step()`` trains as well.
 
 A batch is one of:
 
@@ -31,8 +33,8 @@ A batch is one of:
 * a tensor: ``model(batch)``.
 
 The pipeline engine reads the same batches (a mapping's inputs by the forward's parameter names)
-and applies the ``loss_fn`` given to ``build``. The ``"deepspeed"`` target keeps DeepSpeed's own
-loop (``engine.backward(loss); engine.step()``).
+and applies the ``loss_fn`` given to ``build``, as the ``"deepspeed"`` target does; DeepSpeed's
+own loop (``engine.backward(loss); engine.step()``) trains its engine as well.
 """
 
 from __future__ import annotations

@@ -15,18 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 import types
+from collections.abc import Mapping, Sequence
 from dataclasses import Field, fields
 from typing import Any, get_type_hints
 
 import torch.distributed as dist
 
 from ..exceptions import SlapoError
+from ..tune.memory import Estimator, register_command_estimator, train_argv
+from ..tune.space import Value
+from ..tune.trial import config_to_flags
 from .config import TrainConfig
 from .loop import train
+from .memory import estimate_config
 from .report import format_summary
 
-__all__ = ["add_parser", "config_from_args"]
+__all__ = ["add_parser", "config_from_args", "train_estimator"]
 
 HELP = "train a small transformers model on the embedded corpus with a schedule"
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
@@ -117,8 +123,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{f.name: getattr(args, f.name, f.default) for f in fields(TrainConfig)})
 
 
+def default_run_dir(cfg: TrainConfig) -> str:
+    """Where a ``slapo train`` run without ``--output-dir`` writes: ``runs/<model>-<time>``.
+
+    Example:
+        >>> default_run_dir(TrainConfig(model="gpt2")).startswith("runs/gpt2-")
+        True
+    """
+    return f"runs/{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    if cfg.output_dir is None:
+        cfg.output_dir = default_run_dir(cfg)
     try:
         summary = train(cfg)
     except SlapoError as exc:
@@ -128,9 +146,38 @@ def _run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
     if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(summary))
+        print(f"\nmetrics.json and loss.png: {cfg.output_dir}")
         if args.json:
             keys = ("final_loss", "peak_memory_mb", "tokens_per_s")
             print(
                 json.dumps({"throughput": summary["tokens_per_s"], **{k: summary[k] for k in keys}})
             )
     return 0
+
+
+@register_command_estimator
+def train_estimator(command: Sequence[str]) -> Estimator | None:
+    """The estimator of a ``slapo train`` command (None for any other command).
+
+    ``estimate(cfg)`` parses the command's flags followed by the configuration's, as the trial
+    will run them, and estimates that run.
+
+    Example:
+        >>> estimate = train_estimator(["slapo", "train", "--model", "opt"])
+        >>> estimate({"ckpt_ratio": 1.0}).required > 0
+        True
+    """
+    argv = train_argv(command)
+    if argv is None:
+        return None
+
+    def estimate(cfg: Mapping[str, Value]) -> Any:
+        parser = argparse.ArgumentParser(prog="slapo", exit_on_error=False)
+        add_parser(parser.add_subparsers(dest="command"))
+        try:
+            args = parser.parse_args(["train", *argv, *config_to_flags(cfg)])
+        except (argparse.ArgumentError, SystemExit) as exc:
+            raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+        return estimate_config(config_from_args(args))
+
+    return estimate

@@ -18,18 +18,32 @@ from .presets import MODELS, PRESETS
 
 __all__ = ["SCHEDULE_KNOBS", "TARGETS", "TrainConfig", "option", "parse_attn_op"]
 
-TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe")
+TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
 SCHEDULE_KNOBS = "schedule knobs (slapo.model_schedule.apply_schedule)"
 
 
-def parse_attn_op(text: str) -> str | None:
+def parse_attn_op(text: str) -> str:
     """``--attn-op``: ``none`` (or ``model``) keeps the model's own attention.
 
     Example:
-        >>> parse_attn_op("none") is None, parse_attn_op("sdpa")
-        (True, 'sdpa')
+        >>> parse_attn_op("none"), parse_attn_op("sdpa")
+        ('model', 'sdpa')
     """
-    return None if text.lower() in ("none", "model") else text
+    return "model" if text.lower() in ("none", "model") else text
+
+
+def parse_ckpt_policy(text: str) -> str:
+    """``--ckpt-policy``: ``full`` or a selective policy (``slapo.model_schedule.CKPT_POLICIES``).
+
+    Example:
+        >>> parse_ckpt_policy("save_matmuls")
+        'save_matmuls'
+    """
+    from ..model_schedule import CKPT_POLICIES  # deferred: no model schedules for --help
+
+    if text not in CKPT_POLICIES:
+        raise ValueError(f"--ckpt-policy must be one of {CKPT_POLICIES}, got {text!r}")
+    return text
 
 
 def option(
@@ -70,11 +84,26 @@ class TrainConfig:
     seq_len: int = option(128, "tokens per sequence", positive=True)
     lr: float = option(3e-3, "AdamW learning rate")
     seed: int = option(0, "seed of the weights and the data")
-    # the schedule's knobs (slapo.model_schedule.apply_schedule)
-    ckpt_ratio: float = option(0.5, "fraction of blocks checkpointed", group=SCHEDULE_KNOBS)
-    attn_op: str | None = option(
-        None, "eager, sdpa, flash (CUDA) or none", group=SCHEDULE_KNOBS, parse=parse_attn_op
+    # the schedule's knobs (slapo.model_schedule.apply_schedule); None: the family's
+    # recommended value (slapo.model_schedule.recommended_knobs, see schedule_knobs)
+    ckpt_ratio: float | None = option(
+        None, "fraction of blocks checkpointed (default: recommended)", group=SCHEDULE_KNOBS
     )
+    ckpt_policy: str | None = option(
+        None, "full, save_matmuls, save_narrow_matmuls, save_attention (default: recommended)",
+        group=SCHEDULE_KNOBS, parse=parse_ckpt_policy,
+    )  # fmt: skip
+    compile_blocks: bool | None = option(
+        None, "compile each block with inductor (default: recommended)", group=SCHEDULE_KNOBS
+    )
+    compile_model: bool | None = option(
+        None, "compile the whole model (default: recommended on --target eager)",
+        group=SCHEDULE_KNOBS,
+    )  # fmt: skip
+    attn_op: str | None = option(
+        None, "eager, sdpa, flash (CUDA) or none: the model's own (default: recommended)",
+        group=SCHEDULE_KNOBS, parse=parse_attn_op,
+    )  # fmt: skip
     fuse_ops: bool = option(False, "fuse bias+GELU / bias+dropout+residual", group=SCHEDULE_KNOBS)
     fused_loss: bool = option(False, "chunked LM head + cross-entropy", group=SCHEDULE_KNOBS)
     sequence_parallel: bool = option(
@@ -87,9 +116,15 @@ class TrainConfig:
     target: str = option("eager", "build target", choices=TARGETS)
     num_microbatches: int = option(2, "pipeline only", positive=True)
     # the run
-    compare: bool = option(False, "also train the unscheduled baseline")
+    compare: bool = option(False, "train the unscheduled baseline for all --steps")
+    baseline_steps: int = option(
+        20, "steps of the unscheduled baseline measured first, beside the scheduled run (0: none)"
+    )
     unscheduled: bool = option(False, "train without the schedule")
-    output_dir: str | None = option(None, "write metrics.json and loss.png there")
+    output_dir: str | None = option(
+        None, "write metrics.json and loss.png there (slapo train: runs/<model>-<time> if not set)"
+    )
+    sample: bool = option(True, "skip the text the trained model generates at the end")
     save: str | None = option(None, "write a checkpoint there at the end")
     resume: str | None = option(None, "continue from a --save checkpoint up to --steps")
     progress: bool = option(True, "hide the progress bar")
@@ -109,5 +144,7 @@ class TrainConfig:
                 raise SlapoError(f"{flag} must be positive, got {value}")
             if meta.get("choices") is not None and value not in meta["choices"]:
                 raise SlapoError(f"{flag} must be one of {meta['choices']}, got {value!r}")
+        if self.baseline_steps < 0:
+            raise SlapoError(f"--baseline-steps must be 0 or more, got {self.baseline_steps}")
         if self.compare and (self.save or self.resume):
             raise SlapoError("--compare trains two models; run --save/--resume without it")

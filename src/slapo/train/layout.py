@@ -19,14 +19,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import env
 from ..exceptions import SlapoError, TargetError
+from ..schedule import Schedule, create_schedule
 from .config import TrainConfig
-from .presets import CAUSAL, causal_lm_loss
+from .presets import CAUSAL, causal_lm_loss, default_schedule
 
-__all__ = ["TARGET_USES", "Layout", "TargetUse", "setup_layout"]
+__all__ = ["TARGET_USES", "Layout", "TargetUse", "schedule_for", "schedule_knobs", "setup_layout"]
 
 
 @dataclass
@@ -63,6 +65,24 @@ def _pipeline_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# ZeRO stage of `slapo train --target deepspeed`: optimizer state and gradients partitioned.
+DEEPSPEED_ZERO_STAGE = 2
+
+
+def _deepspeed_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    if cfg.num_stages > 1:
+        raise TargetError(
+            "--target deepspeed with --num-stages is not wired in slapo train (every pipeline "
+            "rank needs the same batch); slapo.build(sch, target='deepspeed', ...) runs "
+            "pipeline cuts on DeepSpeed's pipeline engine"
+        )
+    return {
+        "zero_stage": DEEPSPEED_ZERO_STAGE,
+        "micro_batch_size": cfg.batch_size,
+        "group": layout.dp_group,  # with --tp, the mesh's "dp" dimension: ZeRO runs over it
+    }
+
+
 @dataclass(frozen=True)
 class TargetUse:
     """How the main job runs on one build target.
@@ -88,6 +108,8 @@ TARGET_USES: dict[str, TargetUse] = {
     "pipeline": TargetUse(
         process_group=True, data_parallel=False, options=_pipeline_options, checkpoints=False
     ),
+    # --save/--resume: DeepSpeed's partitioned state has its own engine.save_checkpoint
+    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoints=False),
 }
 
 
@@ -121,3 +143,51 @@ def setup_layout(cfg: TrainConfig) -> Layout:
     tp = mesh["tp"] if cfg.tp > 1 else None
     dp_rank = mesh["dp"].get_local_rank()
     return Layout(rank, world, tp, mesh["dp"], dp_rank, world // cfg.tp)
+
+
+def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, Any]:
+    """The ready schedule's knobs of a ``slapo train`` run: the family's recommended knobs
+    (``slapo.model_schedule.recommended_knobs``, measured on CPU) under those ``cfg`` sets.
+
+    The whole-model compilation is recommended on the ``eager`` target of one process without
+    pipeline stages, where it was measured; the engines of the other targets run the blocks
+    checkpointed selectively, uncompiled, unless ``--compile-blocks``/``--compile-model`` say so.
+
+    Example:
+        >>> schedule_knobs(TrainConfig(model="gpt2", ckpt_ratio=0.5))["ckpt_ratio"]
+        0.5
+    """
+    from ..model_schedule import recommended_knobs  # deferred: the plans import transformers bits
+
+    knobs = {"ckpt_ratio": 0.0, **recommended_knobs(cfg.model)}
+    if cfg.target != "eager" or cfg.tp > 1 or cfg.num_stages > 1:
+        knobs["compile_model"] = False
+    given = {
+        "ckpt_ratio": cfg.ckpt_ratio, "ckpt_policy": cfg.ckpt_policy,
+        "compile_blocks": cfg.compile_blocks, "compile_model": cfg.compile_model,
+        "attn_op": cfg.attn_op,
+    }  # fmt: skip
+    knobs.update({k: v for k, v in given.items() if v is not None})
+    if knobs.get("attn_op") == "model":
+        knobs["attn_op"] = None  # the model's own attention
+    knobs.update(
+        fuse_ops=cfg.fuse_ops, fused_loss=cfg.fused_loss,
+        sequence_parallel=cfg.sequence_parallel, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if layout is not None and layout.tp_group is not None:
+        knobs["group"] = layout.tp_group
+    return knobs
+
+
+def schedule_for(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: bool) -> Schedule:
+    """The schedule ``slapo train`` runs ``model`` with: the family's ready schedule set from
+    ``cfg``'s knobs (:func:`schedule_knobs`; tensor-parallel over the layout's group), or none
+    when not ``scheduled``.
+
+    Example:
+        >>> sch = schedule_for(TrainConfig(), model, Layout(), scheduled=True)  # doctest: +SKIP
+    """
+    if not scheduled:
+        return create_schedule(model)
+    knobs = schedule_knobs(cfg, layout)
+    return default_schedule(model, knobs.pop("ckpt_ratio"), **knobs)

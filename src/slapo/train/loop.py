@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -20,22 +21,24 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from tqdm.auto import tqdm
 
 from .. import env
 from ..build import build
 from ..data import ByteBatches, MaskedByteBatches, default_corpus
-from ..schedule import Schedule, create_schedule
 from ..sharding import all_reduce
 from ..sharding.sequence import SP_TAG
 from ..targets import train_step
 from .config import TrainConfig
-from .layout import TARGET_USES, Layout, setup_layout
-from .memory import PeakMemory
-from .presets import build_model, default_schedule
+from .layout import TARGET_USES, Layout, schedule_for, schedule_knobs, setup_layout
+from .memory import PeakMemory, estimate_run, estimated_peak_mb
+from .presets import build_model
 from .report import write_outputs
+from .sample import sample_text
 from .state import checkpoint_path, load_state, save_state
+
+#: Steps whose saved bytes :class:`PeakMemory` counts (the rest run without its hooks).
+MEMORY_SAMPLE_STEPS = 3
 
 __all__ = ["Runner", "make_batches", "run_once", "train"]
 
@@ -51,18 +54,6 @@ def make_batches(cfg: TrainConfig, layout: Layout) -> ByteBatches:
     """
     cls = MaskedByteBatches if cfg.model == "bert" else ByteBatches
     return cls(default_corpus(), cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1000 * layout.dp_rank)
-
-
-def _schedule(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: bool) -> Schedule:
-    if not scheduled:
-        return create_schedule(model)
-    knobs = {
-        "attn_op": cfg.attn_op, "fuse_ops": cfg.fuse_ops, "fused_loss": cfg.fused_loss,
-        "sequence_parallel": cfg.sequence_parallel, "num_stages": cfg.num_stages,
-    }  # fmt: skip
-    if layout.tp_group is not None:
-        knobs["group"] = layout.tp_group
-    return default_schedule(model, cfg.ckpt_ratio, **knobs)
 
 
 def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
@@ -91,7 +82,7 @@ class Runner:
         torch.manual_seed(cfg.seed)  # the same initial weights for every run and every rank
         model = build_model(cfg)
         model.train()
-        self.sch = _schedule(cfg, model, layout, scheduled)
+        self.sch = schedule_for(cfg, model, layout, scheduled)
         options = TARGET_USES[cfg.target].options(cfg, layout)
         self.model, self.optimizer = build(
             self.sch,
@@ -121,6 +112,7 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
     """
     runner = Runner(cfg, layout, scheduled)
     batches = make_batches(cfg, layout)
+    estimate = estimate_run(runner, batches)  # before any step: a prediction, not a reading
     record: dict[str, Any] = {"losses": [], "step_tokens_per_s": [], "seconds": 0.0}
     if cfg.resume:
         path = checkpoint_path(cfg.resume, layout.rank, layout.world)
@@ -131,7 +123,9 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
         total=cfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True,
         disable=not (cfg.progress and layout.rank == 0),
     )  # fmt: skip
-    with PeakMemory(runner.model, runner.optimizer) as mem:
+    # saved bytes are counted in the first steps only (the shapes never change), so that the
+    # hooks that count them do not slow the steps whose tokens/s is reported
+    with PeakMemory(runner.model, runner.optimizer, sample_steps=MEMORY_SAMPLE_STEPS) as mem:
         t_run = time.perf_counter()
         for _ in range(start, cfg.steps):
             t0 = time.perf_counter()
@@ -150,6 +144,8 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
     losses = record["losses"]
     return {
         "label": label,
+        "knobs": schedule_knobs(cfg) if scheduled else None,
+        "sample": _sample(cfg, layout, runner) if scheduled and cfg.sample else None,
         "parameters": sum(p.numel() for p in runner.model.parameters()),
         "primitives": [str(r) + f" @ {r.path}" for r in runner.sch.metadata.primitives],
         "checkpointed_layers": sum(r.name == "checkpoint" for r in runner.sch.metadata.primitives),
@@ -158,10 +154,24 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
         "tokens_per_s": _tokens_per_s(record["step_tokens_per_s"]),
         "peak_memory_mb": mem.peak_mb,
         "activation_mb": mem.activation_mb,
+        "estimated_peak_mb": estimated_peak_mb(estimate),
+        "estimate": None if estimate is None else estimate.as_dict(),
         "seconds": record["seconds"],
         "losses": losses,
         "step_tokens_per_s": record["step_tokens_per_s"],
     }
+
+
+# Targets whose trained weights are whole in the schedule's module on rank 0.
+SAMPLED_TARGETS = ("eager", "ddp")
+
+
+def _sample(cfg: TrainConfig, layout: Layout, runner: Runner) -> list[str] | None:
+    """Text the trained model writes (rank 0; None on other ranks and targets that shard or
+    stream the weights)."""
+    if layout.rank != 0 or cfg.target not in SAMPLED_TARGETS or cfg.tp > 1:
+        return None
+    return sample_text(runner.sch.mod, cfg.model, seed=cfg.seed)
 
 
 def _tokens_per_s(step_tps: list[float]) -> float:
@@ -170,6 +180,24 @@ def _tokens_per_s(step_tps: list[float]) -> float:
     if not steady:
         return 0.0
     return len(steady) / sum(1.0 / x for x in steady)  # total tokens / total time, per step
+
+
+def _short_baseline(cfg: TrainConfig) -> bool:
+    """Whether the run measures a short unscheduled baseline first: not for an unscheduled run,
+    nor on the pipeline target, whose stages come from the schedule's cuts."""
+    return cfg.baseline_steps > 0 and not cfg.unscheduled and cfg.target != "pipeline"
+
+
+class _KnownCheckpointNotice(logging.Filter):
+    """Drops dynamo's notice that a selective checkpoint is compiled (it asks to avoid in-place
+    ops there): the ready schedules' selective checkpoints are compiled by design and tested
+    equal to eager training for every family."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+_KNOWN_NOTICE = _KnownCheckpointNotice()
 
 
 def train(cfg: TrainConfig) -> dict[str, Any]:
@@ -182,6 +210,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         3
     """
     cfg.check()
+    logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KNOWN_NOTICE)
     started_group = not dist.is_initialized()
     try:
         layout = setup_layout(cfg)
@@ -190,12 +219,17 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
             runs.append(
                 run_once(replace(cfg, save=None), layout, scheduled=False, label="unscheduled")
             )
+        elif _short_baseline(cfg):  # a few eager steps: tokens/s and memory, side by side
+            short = replace(
+                cfg, steps=min(cfg.baseline_steps, cfg.steps), save=None, resume=None
+            )  # fmt: skip
+            runs.append(run_once(short, layout, scheduled=False, label="unscheduled"))
         runs.append(run_once(cfg, layout, scheduled=not cfg.unscheduled, label="scheduled"))
     finally:
         if started_group and dist.is_initialized():  # leave the process as we found it
             env.teardown()
     summary = {"config": asdict(cfg), "world_size": layout.world, **runs[-1]}
-    if cfg.compare:
+    if len(runs) > 1:
         summary["baseline"] = runs[0]
     if cfg.output_dir and layout.rank == 0:
         write_outputs(Path(cfg.output_dir), summary, runs)

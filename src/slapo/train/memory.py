@@ -1,21 +1,34 @@
-"""Peak tensor memory of a training run, comparable between runs in one process."""
+"""Peak tensor memory of a training run, comparable between runs in one process, and the
+estimate of it that :func:`slapo.estimate_memory` makes before the run."""
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
 import torch
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb"]
+
+#: Targets whose built model is the schedule's module itself, as ``estimate_memory`` runs it.
+ESTIMATED_TARGETS = ("eager",)
 
 
 class PeakMemory:
     """Peak tensor memory of a training run, comparable between runs in one process.
 
-    On CUDA, the allocator's peak. On CPU (where the process's resident size keeps what an earlier
-    run freed), the model state (parameters, gradients, optimizer state) plus the most bytes saved
-    for backward in one step, counted with ``saved_tensors_hooks``; a checkpointed block's inner
-    tensors are recomputed in backward and so not counted.
+    For a model with its parameters on CUDA, the allocator's peak above what was allocated when
+    the run began (its weights). Otherwise (where the process's resident size keeps what an
+    earlier run freed) the model state (parameters, buffers, gradients, optimizer state) plus the
+    most bytes saved for backward in one step, counted with ``saved_tensors_hooks``; a
+    checkpointed block's inner tensors are recomputed in backward and so not counted. This is the
+    ``peak`` of :func:`slapo.estimate_memory` (see :func:`estimated_peak_mb`).
+
+    Counting runs a Python hook per saved tensor, which slows a step (an eager model, saving more
+    tensors, more than a compiled one): with ``sample_steps=n`` only the first ``n`` steps are
+    counted and later steps run without hooks, so that their time is the model's own. A model
+    whose shapes do not change between steps saves the same bytes in every step.
 
     Example:
         >>> with PeakMemory(model, optimizer) as mem:
@@ -24,12 +37,18 @@ class PeakMemory:
         True
     """
 
-    def __init__(self, model: Any, optimizer: Any) -> None:
+    def __init__(self, model: Any, optimizer: Any, sample_steps: int | None = None) -> None:
         self.model, self.optimizer = model, optimizer
+        self.sample_steps = sample_steps
+        self._counted = 0
         self.peak_mb = self.activation_mb = 0.0
         self._step_bytes = 0
         self._seen: set[int] = set()
         self._hooks: Any = None
+        # the device the model trains on: a CPU model on a machine with a GPU is still a CPU run
+        self.cuda = torch.cuda.is_available() and any(
+            _local(p).device.type == "cuda" for p in model.parameters()
+        )
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         t = _local(t)
@@ -41,12 +60,18 @@ class PeakMemory:
 
     def next_step(self) -> None:
         """Close one step: keep its saved bytes if they are the most so far."""
+        if self._hooks is None:
+            return  # not counting: on CUDA, or past the sampled steps
         self.activation_mb = max(self.activation_mb, self._step_bytes / 2**20)
         self._step_bytes = 0
         self._seen.clear()
+        self._counted += 1
+        if self._hooks is not None and self._counted == self.sample_steps:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
 
     def __enter__(self) -> PeakMemory:
-        if torch.cuda.is_available():
+        if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated() / 2**20
             return self
@@ -56,12 +81,17 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if torch.cuda.is_available():
+        if self.cuda:
             self.peak_mb = torch.cuda.max_memory_allocated() / 2**20 - self._base
             return
-        self._hooks.__exit__(*exc)
-        self.next_step()
+        self.next_step()  # (which may stop the counting)
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+            self._hooks = None
         state = sum(2 * _local(p).numel() * p.element_size() for p in self.model.parameters())
+        # the pipeline engine exposes its stages' parameters but is no nn.Module
+        buffers = self.model.buffers() if hasattr(self.model, "buffers") else ()
+        state += sum(_local(b).numel() * b.element_size() for b in buffers)
         for per_param in getattr(self.optimizer, "state", {}).values():
             state += sum(_local(v).numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))  # fmt: skip
@@ -74,3 +104,97 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def estimated_peak_mb(estimate: Any) -> float | None:
+    """The estimate (MiB) of what :class:`PeakMemory` measures: for a model on CUDA the
+    allocator's peak above the weights already there (``live_peak`` less parameters and buffers),
+    otherwise the estimate's ``peak``. None for no estimate.
+
+    Example:
+        >>> estimated_peak_mb(None) is None
+        True
+    """
+    if estimate is None:
+        return None
+    if estimate.device == "cuda":
+        return (estimate.live_peak - estimate.params - estimate.buffers) / 2**20
+    return estimate.peak / 2**20
+
+
+def estimate_run(runner: Any, batches: Any) -> Any:
+    """:func:`slapo.estimate_memory` of one step of ``runner``'s model on the next batch of
+    ``batches`` (not consumed), with its optimizer; None for a target it does not model (only
+    the schedule's own module on one process or a tensor-parallel group is estimated) or if the
+    estimate fails (one line on stderr says why: the run goes on).
+
+    Example:
+        >>> est = estimate_run(Runner(TrainConfig(), Layout(), True), make_batches(cfg, Layout()))
+        >>> est.peak > 0
+        True
+    """
+    if runner.cfg.target not in ESTIMATED_TARGETS or runner.model is not runner.sch.mod:
+        return None
+    from ..memory_plan import estimate_memory  # deferred: fake tensors load on first use
+
+    state = batches.state_dict()
+    try:
+        batch = batches.next()
+    finally:
+        batches.load_state_dict(state)  # the run trains on the very same batches
+    try:
+        return estimate_memory(runner.sch, batch, optimizer=runner.optimizer)
+    except Exception as exc:  # noqa: BLE001  (the estimate is a by-product; the run goes on)
+        print(f"slapo train: no memory estimate: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def estimate_config(
+    cfg: Any,
+    rank: int = 0,
+    optimizer: Any = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+) -> Any:
+    """:func:`slapo.estimate_memory` of one step of what ``slapo train`` would build from ``cfg``
+    (a :class:`~slapo.train.TrainConfig`): its model (on the meta device: nothing allocated), its
+    schedule, its optimizer (AdamW with ``cfg.lr``, unless ``optimizer`` and ``optimizer_kwargs``
+    name another) and one batch. With ``cfg.tp > 1``, the share of tensor-parallel rank ``rank``,
+    estimated in this process over a fake process group; with ``cfg.compare``, the larger of the
+    scheduled and the unscheduled run. Returns None for a target whose model is not the
+    schedule's module on each rank (ddp, fsdp, pipeline, roundpipe).
+
+    Example:
+        >>> print(estimate_config(TrainConfig(model="gpt2", preset="small", ckpt_ratio=1.0)))
+    """
+    import contextlib
+
+    from ..data import ByteBatches, MaskedByteBatches, default_corpus
+    from ..initialization import init_empty_weights
+    from ..memory_plan import estimate_memory, fake_process_group
+    from .layout import Layout, schedule_for  # the very schedule slapo train builds from cfg
+    from .presets import build_model
+
+    cfg.check()
+    if cfg.target not in ESTIMATED_TARGETS:
+        return None
+    if cfg.compare:  # the run trains the unscheduled baseline too: the larger of the two counts
+        runs = [dataclasses.replace(cfg, compare=False, unscheduled=u) for u in (True, False)]
+        estimates = [estimate_config(run, rank, optimizer, optimizer_kwargs) for run in runs]
+        return max(estimates, key=lambda e: e.required)
+    batches = (MaskedByteBatches if cfg.model == "bert" else ByteBatches)(
+        default_corpus(max(100_000, 4 * cfg.seq_len)), cfg.batch_size, cfg.seq_len, cfg.seed
+    )
+    with contextlib.ExitStack() as ctx:
+        layout = Layout()
+        if cfg.tp > 1 and not cfg.unscheduled:
+            group = ctx.enter_context(fake_process_group(cfg.tp, rank))
+            layout = Layout(rank=rank, world=cfg.tp, tp_group=group)
+        with init_empty_weights():
+            model = build_model(cfg)
+        model.train()
+        sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
+        if optimizer is None:
+            optimizer, optimizer_kwargs = torch.optim.AdamW, {"lr": cfg.lr}
+        return estimate_memory(
+            sch, batches.next(), optimizer=optimizer, optimizer_kwargs=optimizer_kwargs
+        )

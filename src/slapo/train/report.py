@@ -45,15 +45,16 @@ def write_outputs(out: Path, summary: dict[str, Any], runs: list[dict[str, Any]]
         return None
     try:
         # A bare Figure on an Agg canvas: no pyplot state, no display, the caller's backend kept.
-        fig = Figure(figsize=(6, 4), dpi=100)
+        fig = Figure(figsize=(10, 4), dpi=100)
         FigureCanvasAgg(fig)
-        ax = fig.add_subplot(1, 1, 1)
+        ax, mem = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
         for run in runs:
             ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=run["label"])
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.set_title(f"slapo train: {summary['config']['model']} ({summary['config']['preset']})")
         ax.legend()
+        _memory_bars(mem, runs)
         fig.tight_layout()
         fig.savefig(plot, format="png")
     except Exception as exc:  # noqa: BLE001  (the plot is a by-product; the metrics are safe)
@@ -64,6 +65,31 @@ def write_outputs(out: Path, summary: dict[str, Any], runs: list[dict[str, Any]]
         )
         return None
     return plot
+
+
+def _memory_bars(ax: Any, runs: list[dict[str, Any]]) -> None:
+    """Peak memory per run: measured beside estimated (where there is an estimate)."""
+    labels = [run["label"] for run in runs]
+    measured = [run.get("peak_memory_mb") or 0.0 for run in runs]
+    estimated = [run.get("estimated_peak_mb") or 0.0 for run in runs]
+    xs = range(len(runs))
+    ax.bar([x - 0.2 for x in xs], measured, width=0.4, label="measured peak")
+    if any(estimated):
+        ax.bar([x + 0.2 for x in xs], estimated, width=0.4, label="estimated before the run")
+    ax.set_xticks(list(xs), labels)
+    ax.set_ylabel("MiB")
+    ax.set_title("peak memory of a step")
+    ax.legend()
+
+
+def _estimate_cell(run: dict[str, Any]) -> str:
+    """The estimate made before the run, and how far the measured peak came from it."""
+    est = run.get("estimated_peak_mb")
+    if est is None:
+        return "n/a"
+    measured = run.get("peak_memory_mb") or 0.0
+    off = f" ({(est - measured) / measured:+.0%})" if measured > 0 else ""
+    return f"{est:,.1f}{off}"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -79,16 +105,18 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"{run['tokens_per_s']:,.0f}",
             f"{run['peak_memory_mb']:,.1f}",
             f"{run['activation_mb']:,.1f}",
+            _estimate_cell(run),
             f"{run['seconds']:.1f}",
         ]
 
     names = [
         "parameters", "checkpointed layers", "loss (first -> last 10 mean)", "tokens/s",
-        "peak memory (MiB)", "  of which saved activations", "time (s)",
+        "peak memory (MiB)", "  of which saved activations", "estimated peak (MiB)", "time (s)",
     ]  # fmt: skip
     cols = [cells(r) for r in runs]
     header = [""] + [
-        ("unscheduled" if i == 0 and len(runs) > 1 else "scheduled") for i in range(len(runs))
+        (f"unscheduled ({len(r['losses'])} steps)" if i == 0 and len(runs) > 1 else "scheduled")
+        for i, r in enumerate(runs)
     ]
     width = max(len(n) for n in names)
     colw = [max(len(header[j + 1]), *(len(cell) for cell in col)) for j, col in enumerate(cols)]
@@ -101,7 +129,14 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     for i, name in enumerate(names):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c[i]:>{w}}" for c, w in zip(cols, colw)))
-    if len(runs) > 1 and runs[0]["tokens_per_s"]:
-        ratio = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
-        lines.append(f"{'scheduled / unscheduled tokens/s':<{width}}  {ratio:.2f}x")
+    if len(runs) > 1 and runs[0]["tokens_per_s"] and runs[0]["peak_memory_mb"]:
+        speed = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+        memory = runs[1]["peak_memory_mb"] / runs[0]["peak_memory_mb"]
+        lines.append(f"{'scheduled / unscheduled':<{width}}  {speed:.2f}x tokens/s, "
+                     f"{memory:.2f}x peak memory")  # fmt: skip
+    if summary.get("knobs"):
+        knobs = ", ".join(f"{k}={v}" for k, v in summary["knobs"].items() if k != "group")
+        lines.append(f"schedule: {knobs}")
+    if summary.get("sample"):
+        lines += ["", "text from the trained model:", *("  " + s for s in summary["sample"])]
     return "\n".join(lines)

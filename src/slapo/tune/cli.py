@@ -5,7 +5,11 @@ Example:
         -- python train.py --model gpt2
 
 The config file defines ``update_space(args, space)``; ``args`` holds the flags of the
-training command (``--model gpt2`` -> ``args["model"] == args.model == "gpt2"``).
+training command (``--model gpt2`` -> ``args["model"] == args.model == "gpt2"``). With
+``--memory-budget 8GiB``, configurations whose estimated memory exceeds it are skipped before any
+trial runs: the config file's ``estimate_memory(args, cfg)`` estimates them, or, for a
+``slapo train`` command, slapo itself (see :mod:`slapo.tune.memory`; ``slapo tune`` registers
+it, the standalone ``python -m slapo.tune.cli`` does not).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ..memory_plan import memory_size_arg
 from .database import Database, DatabaseCorruptError
+from .memory import Estimator, command_estimator, required_bytes
 from .report import best_table, plot_search
 from .space import Space, UpdateSpaceFn
 from .strategies import STRATEGIES
@@ -74,8 +80,8 @@ def parse_training_args(command: Sequence[str]) -> TrainingArgs:
     return args
 
 
-def load_update_space(path: str) -> UpdateSpaceFn:
-    """Import the config file at ``path`` and return its ``update_space`` function."""
+def load_config(path: str) -> Any:
+    """Import the config file at ``path``; returns the module."""
     if not os.path.isfile(path):
         raise TuneError(f"--config {path!r}: no such file")
     spec = importlib.util.spec_from_file_location("slapo_tune_config", path)
@@ -83,6 +89,13 @@ def load_update_space(path: str) -> UpdateSpaceFn:
         raise TuneError(f"--config {path!r}: cannot be imported as a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_update_space(path: str, module: Any = None) -> UpdateSpaceFn:
+    """Import the config file at ``path`` (unless its ``module`` is given) and return its
+    ``update_space`` function."""
+    module = module if module is not None else load_config(path)
     fn = getattr(module, "update_space", None)
     if not callable(fn):
         raise TuneError(f"--config {path!r} must define a function update_space(args, space)")
@@ -94,6 +107,26 @@ def _positive_int(text: str) -> int:
     if val < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return val
+
+
+def find_estimator(config: Any, command: Sequence[str], args: TrainingArgs) -> Estimator:
+    """``estimate(cfg)`` for ``--memory-budget``: the config file's ``estimate_memory(args,
+    cfg)``, else slapo's own for a ``slapo train`` command; a clear error otherwise."""
+    fn = getattr(config, "estimate_memory", None)
+    if fn is not None:
+        if not callable(fn):
+            raise TuneError(
+                "--config: estimate_memory must be a function estimate_memory(args, cfg)"
+            )
+        return lambda cfg: fn(args, dict(cfg))
+    estimate = command_estimator(command)
+    if estimate is None:
+        raise TuneError(
+            "--memory-budget needs an estimate of each configuration: the command is not "
+            "`slapo train`, so define estimate_memory(args, cfg) in the --config file (returning "
+            "bytes, a slapo.estimate_memory(...) result, or None when unknown)"
+        )
+    return estimate
 
 
 def _positive_float(text: str) -> float:
@@ -127,6 +160,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="PNG of the search (default: DB path, .png)")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--dry-run", action="store_true", help="list the space and exit")
+    p.add_argument(
+        "--memory-budget",
+        type=memory_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="skip, before any trial, the configurations whose estimated memory exceeds SIZE "
+        "(bytes, or e.g. 8GiB, 512MB); --dry-run shows each estimate",
+    )
     p.add_argument(
         "trial_command",
         metavar="COMMAND",
@@ -164,14 +205,15 @@ def run_tune(args: argparse.Namespace) -> int:
         print(f"slapo tune: error: command not found: {command[0]!r}", file=sys.stderr)
         return 2
     try:
-        update_space = load_update_space(args.config)
-        space = Space(update_space, parse_training_args(command))
+        config = load_config(args.config)
+        update_space = load_update_space(args.config, config)
+        training_args = parse_training_args(command)
+        space = Space(update_space, training_args)
+        estimate = None
+        if args.memory_budget is not None:
+            estimate = find_estimator(config, command, training_args)
         if args.dry_run:
-            cfgs = list(space)
-            for i, cfg in enumerate(cfgs):
-                print(f"[{i}] {Space.cfg_dict_to_str(cfg)}")
-            print(f"{len(cfgs)} configurations")
-            return 0
+            return _dry_run(space, estimate, args.memory_budget)
         db = Database(args.db)
         tuner = Tuner(
             space,
@@ -184,6 +226,8 @@ def run_tune(args: argparse.Namespace) -> int:
             timeout=args.timeout,
             seed=args.seed,
             progress=not args.no_progress,
+            memory_budget=args.memory_budget,
+            estimate=estimate,
         )
     except (TuneError, DatabaseCorruptError, TypeError, ValueError) as e:
         print(f"slapo tune: error: {e}", file=sys.stderr)
@@ -207,6 +251,12 @@ def run_tune(args: argparse.Namespace) -> int:
     print(
         best_table(records, tuner.value, objective=args.objective, maximize=maximize, top=args.top)
     )
+    skipped = tuner.skipped()
+    if skipped:
+        print(
+            f"{len(skipped)} configurations skipped, never run: their estimated memory exceeds "
+            f"--memory-budget (reasons in {args.db})"
+        )
     plot = args.plot or default_plot_path(args.db)
     if plot_search(
         records,
@@ -218,6 +268,30 @@ def run_tune(args: argparse.Namespace) -> int:
     ):
         print(f"plot: {plot}")
     return 0 if tuner.best(1) else 1
+
+
+def _dry_run(space: Space, estimate: Estimator | None, budget: int | None) -> int:
+    """List the space; with a memory budget, each configuration's estimate and verdict."""
+    cfgs = list(space)
+    over = 0
+    for i, cfg in enumerate(cfgs):
+        line = f"[{i}] {Space.cfg_dict_to_str(cfg)}"
+        if estimate is not None and budget is not None:
+            from ..memory_plan import format_bytes
+
+            try:
+                need = required_bytes(estimate(cfg))
+            except Exception as exc:  # noqa: BLE001  (shown, as the tuner would run it)
+                need, note = None, f"no estimate ({type(exc).__name__}: {exc}): runs"
+            else:
+                note = "no estimate: runs" if need is None else format_bytes(need)
+            if need is not None and need > budget:
+                over += 1
+                note += ": over budget, skipped"
+            line += f"  [{note}]"
+        print(line)
+    print(f"{len(cfgs)} configurations" + (f", {over} over the memory budget" if budget else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..exceptions import SlapoError
 from .database import Database
+from .memory import SKIPPED, Estimator, required_bytes
 from .space import Space, Value, config_key
 from .strategies import STRATEGIES, make_strategy
 from .trial import run_trial
@@ -78,6 +79,10 @@ class Tuner:
     a run that crashed resumes where it stopped. ``budget`` caps the number of measured
     configurations of this space, counting those of earlier runs.
 
+    With ``memory_budget`` (bytes), ``estimate(cfg)`` (bytes, a ``MemoryEstimate`` or None)
+    screens every configuration still to measure before the first trial: those that need more
+    are recorded as ``"skipped"`` with the reason and never run (see :mod:`slapo.tune.memory`).
+
     Example:
         >>> import sys
         >>> space = Space()
@@ -105,6 +110,8 @@ class Tuner:
         progress: bool = True,
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
+        memory_budget: int | None = None,
+        estimate: Estimator | None = None,
     ) -> None:
         if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
             raise TypeError(f"command must be a non-empty list of strings, got command={command!r}")
@@ -120,6 +127,19 @@ class Tuner:
             )
         if not isinstance(db, Database):
             raise TypeError(f"db must be a slapo.tune.Database, got db={db!r}")
+        if memory_budget is not None and (
+            isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
+            or memory_budget < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"memory_budget must be a positive number of bytes or None, got {memory_budget!r}"
+            )
+        if memory_budget is not None and not callable(estimate):
+            raise TuneError(
+                "memory_budget needs estimate=cfg -> bytes: for a slapo train command, "
+                "slapo.train.cli.train_estimator(command); otherwise define "
+                "estimate_memory(args, cfg) in the --config file"
+            )
         self.configs = list(space)
         if not self.configs:
             raise TuneError("the tuning space has no valid configuration")
@@ -135,6 +155,8 @@ class Tuner:
         self.progress = progress
         self.env = env
         self.cwd = cwd
+        self.memory_budget = memory_budget
+        self.estimate = estimate
 
     # ----- reading results ----------------------------------------------------------------
     def value(self, record: Mapping[str, Any]) -> float | None:
@@ -147,9 +169,14 @@ class Tuner:
         return float(val)
 
     def records(self) -> list[dict[str, Any]]:
-        """Records of this space's configurations in the database, in the order measured."""
-        recs = [self.db[k] for k in self.keys if k in self.db]
+        """Records of this space's measured configurations, in the order measured (those the
+        memory budget skipped are in :meth:`skipped`)."""
+        recs = [self.db[k] for k in self.keys if k in self.db and not _is_skipped(self.db[k])]
         return sorted(recs, key=lambda r: r.get("trial", 0))
+
+    def skipped(self) -> list[dict[str, Any]]:
+        """Records of this space's configurations the memory budget dropped, never run."""
+        return [self.db[k] for k in self.keys if k in self.db and _is_skipped(self.db[k])]
 
     def best(self, k: int = 5) -> list[dict[str, Any]]:
         """The ``k`` best successful records, best first."""
@@ -162,7 +189,7 @@ class Tuner:
         sign = 1.0 if self.direction == "maximize" else -1.0
         scores: dict[int, float | None] = {}
         for i, key in enumerate(self.keys):
-            if key in self.db:
+            if key in self.db and not _is_skipped(self.db[key]):
                 val = self.value(self.db[key])
                 scores[i] = None if val is None else sign * val
         return scores
@@ -184,10 +211,71 @@ class Tuner:
                 self.db.save()  # the file exists and parses even if no trial finished
                 raise
 
+    def _note(self, line: str) -> None:
+        if self.progress:
+            tqdm.write(line, file=sys.stderr)
+        else:
+            logger.info(line)
+
+    def _screen(self) -> set[int]:
+        """Estimate every configuration still to measure (a skipped one again: the budget may
+        have grown); record those over the memory budget. Returns their indices."""
+        budget = self.memory_budget
+        assert budget is not None and self.estimate is not None
+        from ..memory_plan import format_bytes  # deferred: fake tensors load on first use
+
+        pending = [
+            i for i, k in enumerate(self.keys) if k not in self.db or _is_skipped(self.db[k])
+        ]
+        if pending:
+            self._note(
+                f"[memory] estimating {len(pending)} configurations against the budget of "
+                f"{format_bytes(budget)}"
+            )
+        over: set[int] = set()
+        for i in pending:
+            cfg = self.configs[i]
+            try:
+                estimate = self.estimate(cfg)
+                need = required_bytes(estimate)
+            except Exception as exc:  # noqa: BLE001  (no estimate: the trial decides)
+                self._note(
+                    f"[memory] {Space.cfg_dict_to_str(cfg)}: no estimate ({type(exc).__name__}: "
+                    f"{exc}); it runs"
+                )
+                continue
+            if need is None or need <= budget:
+                continue
+            over.add(i)
+            reason = (
+                f"estimated peak {format_bytes(need)} exceeds the memory budget "
+                f"{format_bytes(budget)}"
+            )
+            details = estimate.as_dict() if hasattr(estimate, "as_dict") else {"required": need}
+            self.db.commit(
+                self.keys[i],
+                {
+                    "config": cfg,
+                    "status": SKIPPED,
+                    "error": reason,
+                    "trial": 0,
+                    "estimate": details,
+                    "memory_budget": budget,
+                    "command": self.command,
+                    "time": time.time(),
+                },
+            )
+            self._note(f"[skipped] {Space.cfg_dict_to_str(cfg)}: {reason}")
+        return over
+
     def _run(self) -> list[dict[str, Any]]:
+        over = self._screen() if self.memory_budget is not None else set()
         scores = self._scores()
-        limit = len(self.configs) if self.budget is None else min(self.budget, len(self.configs))
-        todo = max(0, limit - len(scores))
+        measured = len(scores)
+        scores.update({i: None for i in over})  # never proposed; a model-guided search learns
+        runnable = len(self.configs) - len(over)
+        limit = runnable if self.budget is None else min(self.budget, runnable)
+        todo = max(0, limit - measured)
         strategy = make_strategy(self.strategy_name, self.configs, seed=self.seed)
         next_trial = 1 + max(
             (int(r.get("trial", 0)) for r in self.db.db.values() if isinstance(r, dict)), default=0
@@ -243,6 +331,10 @@ class Tuner:
         finally:
             bar.close()
         return self.records()
+
+
+def _is_skipped(record: Any) -> bool:
+    return isinstance(record, Mapping) and record.get("status") == SKIPPED
 
 
 def default_plot_path(db_file_name: str) -> str:

@@ -1,0 +1,63 @@
+"""``slapo estimate``: the estimate of what ``slapo train`` would run with the same flags."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slapo.cli import main
+
+SMALL = ["--model", "opt", "--batch-size", "2", "--seq-len", "32"]
+
+
+def _json(capsys) -> dict:
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_estimate_prints_a_table_and_json(capsys):
+    assert main(["estimate", *SMALL, "--ckpt-ratio", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("slapo estimate: opt (tiny), batch 2 x 32 tokens, ckpt_ratio 1.0")
+    assert "optimizer state" in out and "activations by block:" in out
+    assert main(["estimate", *SMALL, "--json", "--optimizer", "sgd"]) == 0
+    doc = _json(capsys)["estimate"]
+    assert doc["optimizer"] == "SGD" and doc["optimizer_state"] == 0  # no momentum: no state
+    assert doc["peak"] == sum(
+        doc[k] for k in ("params", "buffers", "grads", "optimizer_state", "activations")
+    )
+
+
+def test_compare_tensor_parallel_rank_and_budget(capsys):
+    assert main(["estimate", *SMALL, "--compare", "--json"]) == 0
+    doc = _json(capsys)
+    assert doc["scheduled"]["activations"] < doc["unscheduled"]["activations"]  # ckpt 0.5
+    assert main(["estimate", *SMALL, "--tp", "2", "--rank", "1", "--json"]) == 0
+    rank = _json(capsys)["estimate"]
+    assert (rank["rank"], rank["world_size"]) == (1, 2)
+    assert rank["params"] < 0.8 * doc["scheduled"]["params"]  # a shard of the weights
+    need = doc["scheduled"]["required"]
+    assert main(["estimate", *SMALL, "--memory-budget", str(need)]) == 0
+    assert "fits the memory budget" in capsys.readouterr().out
+    assert main(["estimate", *SMALL, "--memory-budget", str(need - 1)]) == 1
+    assert "does NOT fit the memory budget" in capsys.readouterr().out
+
+
+def test_bad_flags_are_usage_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--memory-budget", "lots"])
+    assert exc.value.code == 2 and "cannot read 'lots' as a memory size" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="rank must lie in"):
+        main(["estimate", *SMALL, "--tp", "2", "--rank", "2"])
+
+
+def test_a_compare_run_needs_what_its_larger_run_needs():
+    from slapo.train import TrainConfig
+    from slapo.train.memory import estimate_config
+
+    small = {"model": "opt", "batch_size": 2, "seq_len": 32}
+    both = estimate_config(TrainConfig(compare=True, **small))
+    plain = estimate_config(TrainConfig(unscheduled=True, **small))
+    scheduled = estimate_config(TrainConfig(**small))
+    assert both.as_dict() == plain.as_dict() and scheduled.required < plain.required
+    assert estimate_config(TrainConfig(target="ddp", **small)) is None  # not modelled: unknown
