@@ -15,7 +15,6 @@ next stage, so DeepSpeed neither runs backward through it nor waits for its grad
 
 from __future__ import annotations
 
-import inspect
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from torch import nn
 from ..exceptions import TargetError
 from ..pipeline import find_tie_groups, partition_model
 from .contract import TARGET_KEY, Batch, split_batch
+from .pipeline import _forward_kwargs, _positional_names  # the same capture rules
 
 if TYPE_CHECKING:
     from ..schedule import Schedule
@@ -249,20 +249,6 @@ def _others_to_cpu(pipe: nn.Module, modules: list[nn.Module]) -> None:
             for t in (*mod.parameters(), *mod.buffers()):
                 if id(t) not in mine and t.device.type != "cpu":
                     t.data = t.data.cpu()
-
-
-def _forward_kwargs(model: nn.Module, given: dict[str, Any] | None) -> dict[str, Any]:
-    if given is not None:
-        return dict(given)
-    params = inspect.signature(model.forward).parameters
-    # A key/value cache is an object graph no pipeline can pass between stages.
-    return {"use_cache": False} if "use_cache" in params else {}
-
-
-def _positional_names(model: nn.Module) -> tuple[str, ...]:
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    params = inspect.signature(model.forward).parameters.values()
-    return tuple(p.name for p in params if p.kind in kinds)
 
 
 def _probe_sends(
