@@ -104,10 +104,14 @@ def _estimate(args: argparse.Namespace) -> int:
             doc["fits_memory_budget"] = fits
         print(json.dumps(doc))
         return 0 if fits in (None, True) else 1
+    from .train.layout import schedule_knobs
+
     tp = f", rank {args.rank} of {cfg.tp}" if cfg.tp > 1 else ""
+    knobs = schedule_knobs(cfg)
     print(
         f"slapo estimate: {cfg.model} ({cfg.preset}), batch {cfg.batch_size} x {cfg.seq_len} "
-        f"tokens, ckpt_ratio {cfg.ckpt_ratio}{tp}, optimizer {args.optimizer}"
+        f"tokens, ckpt_ratio {knobs['ckpt_ratio']}, ckpt_policy {knobs.get('ckpt_policy')}{tp}, "
+        f"optimizer {args.optimizer}"
     )
     if len(ests) == 1:
         print(last)
