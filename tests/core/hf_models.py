@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -138,18 +139,22 @@ def make(family: str, seed: int = 0, **kwargs) -> nn.Module:
 
 
 def run(
-    model: nn.Module, data: dict[str, torch.Tensor], seed: int = 1
+    model: nn.Module, data: dict[str, torch.Tensor], seed: int = 1, context=None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and every parameter's gradient of one training step, with a fixed RNG seed."""
+    """Loss and every parameter's gradient of one training step, with a fixed RNG seed, forward
+    and backward inside ``context`` (a context manager) if one is given."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    loss = model(**data).loss
-    loss.backward()
+    with context if context is not None else contextlib.nullcontext():
+        loss = model(**data).loss
+        loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 
-def assert_same_step(ref: nn.Module, test: nn.Module, data=None, exact: bool = False) -> None:
+def assert_same_step(
+    ref: nn.Module, test: nn.Module, data=None, exact: bool = False, ref_context=None
+) -> None:
     """The equivalence oracle: same loss and the same gradient for every parameter.
 
     By default within torch.testing's float32 tolerance: any change of kernel, operand layout or
@@ -157,10 +162,11 @@ def assert_same_step(ref: nn.Module, test: nn.Module, data=None, exact: bool = F
     BLAS blocking) and the thread count. ``exact=True`` asserts bit-identity; a caller passing it
     says at the call why no CPU and no thread count can change the order of the float operations
     (e.g. a non-reentrant checkpoint reruns the same kernels on the same operands and keeps the
-    autograd graph, so every gradient is summed in the same order).
+    autograd graph, so every gradient is summed in the same order). ``ref_context``: a context
+    manager the reference step runs in (e.g. ``slapo.op.dropout.bulk_dropout_masks()``).
     """
     data = data if data is not None else batch()
-    loss_ref, grads_ref = run(ref, data)
+    loss_ref, grads_ref = run(ref, data, context=ref_context)
     loss_test, grads_test = run(test, data)
     assert set(grads_ref) == set(grads_test), set(grads_ref) ^ set(grads_test)
     kw = {"rtol": 0, "atol": 0} if exact else {}  # {}: float32 defaults (rtol 1.3e-6, atol 1e-5)

@@ -181,13 +181,18 @@ def test_register_a_family_and_pass_it_by_name():
 
 
 def test_every_knob_is_a_tuning_symbol():
-    shared = {"ckpt_ratio", "ckpt_policy", "compile_blocks", "compile_model", "attn_op"}
+    shared = {"ckpt_ratio", "ckpt_policy", "compile_blocks", "compile_model", "compile_rng"}
+    shared |= {"attn_op"}
     gpt2 = tuning_space(Space(), "gpt2", world_size=2, tp_size=2).to_dict()
     assert set(gpt2) == shared | {"fuse_ops", "sequence_parallel", "num_stages"}
     llama = tuning_space(Space(), "llama")
     assert set(llama.to_dict()) == shared | {"fused_loss"}
     assert set(llama.to_dict()) <= set(Knobs.__dataclass_fields__)
     configs = list(Space(lambda args, space: tuning_space(space, "llama")))
-    assert len(configs) == 3 * len(llama["ckpt_policy"].vals) * 4 * len(llama["attn_op"].vals) * 2
+    compiling = 4 * 2  # compile_blocks x compile_model x compile_rng
+    assert (
+        len(configs)
+        == 3 * len(llama["ckpt_policy"].vals) * compiling * len(llama["attn_op"].vals) * 2
+    )
     for cfg in configs:  # every point of the space is a valid schedule
         apply_schedule(H.make("llama"), **cfg)

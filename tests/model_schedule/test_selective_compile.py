@@ -16,6 +16,7 @@ from torch import nn
 import slapo
 from dist_utils import assert_check, check_all, run_workers
 from slapo.model_schedule import CKPT_POLICIES, Knobs, apply_schedule, recommended_knobs
+from slapo.op.dropout import bulk_dropout_masks
 from slapo.primitives.compile import CompileError, compiled
 
 FAMILIES = ["gpt2", "llama", "bert", "opt", "t5"]
@@ -105,7 +106,7 @@ def test_bad_compile_requests_are_clear_errors():
         sch["0"].compile(backend="indcutor")
     with pytest.raises(slapo.PrimitiveError, match="mode must be one of"):
         sch["0"].compile(mode="fastest")
-    with pytest.raises(slapo.PrimitiveError, match="'aot_eager' takes neither"):
+    with pytest.raises(slapo.PrimitiveError, match="'aot_eager' takes none of them"):
         sch["0"].compile(backend="aot_eager", options={"fallback_random": True})
     with pytest.raises(slapo.PrimitiveError, match="options must be a dict"):
         sch["0"].compile(options=[("fallback_random", True)])
@@ -170,12 +171,15 @@ def test_compiled_blocks_keep_loss_and_gradients(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_recommended_schedule_keeps_loss_and_gradients(family):
     # The whole model compiled around selectively checkpointed blocks (each family's CPU default),
-    # dropout on: the same masks as the reference (see above), float32 tolerance.
+    # dropout on. Its dropout draws bulk masks (compile_rng="bulk"): the reference draws the same
+    # ones (bulk_dropout_masks); float32 tolerance as above.
     ref = H.make(family, dropout=0.1)
     test = H.twin(ref)
-    apply_schedule(test, **recommended_knobs(family))
-    H.assert_same_step(ref, test)
-    H.assert_same_step(ref, test, data=H.batch(seed=1))
+    knobs = recommended_knobs(family)
+    apply_schedule(test, **knobs)
+    assert knobs["compile_rng"] == "bulk"
+    for data in (H.batch(), H.batch(seed=1)):
+        H.assert_same_step(ref, test, data=data, ref_context=bulk_dropout_masks())
 
 
 def test_compile_model_refuses_pipeline_stages():

@@ -126,15 +126,15 @@ def checkpoint_blocks(
     return chosen
 
 
-def compile_blocks(sch: Schedule, paths: list[str]) -> None:
+def compile_blocks(sch: Schedule, paths: list[str], rng: str = "eager") -> None:
     """Compile each block (inductor) for training; eval and ``generate`` run it eagerly.
 
     Applied after sharding and checkpointing, so the compiler sees the local shapes and plans
-    the recompute of a checkpointed block itself. Dropout draws from torch's generator as in
-    eager code (the ``compile`` primitive's default): the same masks as the unscheduled model.
+    the recompute of a checkpointed block itself. Dropout draws its masks as ``rng`` says (the
+    ``compile`` primitive's; ``"eager"``: the same masks as the unscheduled model).
     """
     for path in paths:
-        sch[path].compile(grad_only=True)
+        sch[path].compile(grad_only=True, rng=rng)
 
 
 def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
@@ -168,14 +168,20 @@ def apply_shared_knobs(
         >>> apply_shared_knobs(sch, knobs, blocks(sch, "model.layers"), "lm_head", shift=True)
     """
     use_attention(sch, k.attn_op)
+    # Bulk masks are plain pointwise ops to inductor, clear of the mis-compiled kept dropout that
+    # recompute_dropout_in works around; a recomputed dropout would keep eager masks there.
+    if k.compile_rng == "bulk":
+        recompute_dropout_in = ()
     checkpoint_blocks(sch, layers, k.ckpt_ratio, k.selective_policy, recompute_dropout_in)
     if k.compile_blocks:
-        compile_blocks(sch, layers)
+        compile_blocks(sch, layers, k.compile_rng)
     if k.fused_loss:
         install_fused_loss(sch, head, shift=shift)
     cut_stages(sch, layers, k.num_stages)
     if k.compile_model:
-        sch.compile(grad_only=True)  # last: the region holds every primitive applied above
+        sch.compile(
+            grad_only=True, rng=k.compile_rng
+        )  # last: the region holds every primitive applied above
 
 
 def use_attention(sch: Schedule, attn_op: str | None) -> int:

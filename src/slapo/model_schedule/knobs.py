@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..exceptions import SlapoError
+from ..primitives.compile_rng import RNG_MODES
 from ..sharding import resolve_group
 
 __all__ = ["Knobs", "ATTN_OPS", "CKPT_POLICIES", "CPU_DEFAULTS", "recommended_knobs"]
@@ -40,6 +41,10 @@ class Knobs:
             run eagerly): the blocks (their checkpoints compiled in) and what surrounds them,
             embeddings, masks, final norm, head and loss. The fastest on CPU; needs
             ``num_stages=1``. With ``compile_blocks`` too, the blocks are compiled inside it.
+        compile_rng: where the compiled regions' dropout draws its masks: ``"eager"`` (torch's
+            generator op by op: the unscheduled model's masks), ``"bulk"`` (four decisions per
+            64-bit draw, about 4x cheaper on CPU; :func:`slapo.op.dropout.bulk_dropout`) or
+            ``"inductor"`` (see the ``compile`` primitive).
         attn_op: the attention kernel ("eager", "sdpa", "flash" on CUDA); None keeps the model's.
         fuse_ops: fuse bias+GELU and bias+dropout+residual where the family has them.
         fused_loss: chunked LM head + cross-entropy (the full logits never exist).
@@ -56,6 +61,7 @@ class Knobs:
     ckpt_policy: str | None = None
     compile_blocks: bool = False
     compile_model: bool = False
+    compile_rng: str = "eager"
     attn_op: str | None = None
     fuse_ops: bool = False
     fused_loss: bool = False
@@ -78,6 +84,8 @@ class Knobs:
             raise SlapoError(
                 f"ckpt_policy must be one of {CKPT_POLICIES} or None, got {self.ckpt_policy!r}"
             )
+        if self.compile_rng not in RNG_MODES:
+            raise SlapoError(f"compile_rng must be one of {RNG_MODES}, got {self.compile_rng!r}")
         if self.attn_op is not None and self.attn_op not in ATTN_OPS:
             raise SlapoError(f"attn_op must be one of {ATTN_OPS} or None, got {self.attn_op!r}")
         if self.attn_op == "flash" and not torch.cuda.is_available():
@@ -119,16 +127,18 @@ def _describe(group: Any) -> str:
 
 #: The best measured combination of knobs for training on CPU, per family: the fastest schedule
 #: at 0.7x the unscheduled model's peak memory or less (``benchmarks/model_schedules.py
-#: --isolate 2``, each schedule alone in its process, 2 cores). Every family compiles the whole
-#: model and uses SDPA attention. GPT-2 needs no checkpoint (the compiled model alone keeps 0.69x
-#: the memory); the others checkpoint their blocks selectively, OPT (whose state is a larger part of
-#: its peak) recomputing its MLP's widening projection too and computing the loss in chunks, T5
-#: (whose many dropouts make a recompute dear) checkpointing half of its blocks.
-_SELECTIVE = {"ckpt_ratio": 1.0, "ckpt_policy": "save_matmuls", "compile_model": True,
-              "attn_op": "sdpa"}  # fmt: skip
+#: --isolate 3``, each schedule alone in its process, 2 cores). Every family compiles the whole
+#: model, draws its dropout masks in bulk (``compile_rng="bulk"``: dropout's ``bernoulli_`` was a
+#: quarter to a third of a compiled step) and uses SDPA attention. GPT-2 needs no checkpoint (the
+#: compiled model alone keeps 0.69x the memory); the others checkpoint their blocks selectively:
+#: Llama three blocks of four (all four cost 4% more time for 0.05x less memory), OPT (whose state
+#: is a larger part of its peak) recomputing its MLP's widening projection too and computing the
+#: loss in chunks, T5 half of its blocks.
+_COMPILED = {"compile_model": True, "compile_rng": "bulk", "attn_op": "sdpa"}
+_SELECTIVE = {"ckpt_ratio": 1.0, "ckpt_policy": "save_matmuls", **_COMPILED}
 CPU_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": _SELECTIVE,
-    "gpt2": {"compile_model": True, "attn_op": "sdpa"},
+    "llama": {**_SELECTIVE, "ckpt_ratio": 0.75},
+    "gpt2": _COMPILED,
     "bert": _SELECTIVE,
     "opt": {**_SELECTIVE, "ckpt_policy": "save_narrow_matmuls", "fused_loss": True},
     "t5": {**_SELECTIVE, "ckpt_ratio": 0.5},

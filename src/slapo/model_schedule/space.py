@@ -25,13 +25,14 @@ def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 
     Example:
         >>> space = Space()
         >>> sorted(tuning_space(space, "gpt2").to_dict())
-        ['attn_op', 'ckpt_policy', 'ckpt_ratio', 'compile_blocks', 'compile_model', 'fuse_ops',
-         'fused_loss']
+        ['attn_op', 'ckpt_policy', 'ckpt_ratio', 'compile_blocks', 'compile_model', 'compile_rng',
+         'fuse_ops', 'fused_loss']
     """
     space.create_symbol("ckpt_ratio", [0.0, 0.5, 1.0])
     space.create_symbol("ckpt_policy", list(CKPT_POLICIES))
     space.create_symbol("compile_blocks", [False, True])
     space.create_symbol("compile_model", [False, True])
+    space.create_symbol("compile_rng", ["eager", "bulk"])
     space.create_symbol(
         "attn_op", ["eager", "sdpa"] + (["flash"] if torch.cuda.is_available() else [])
     )

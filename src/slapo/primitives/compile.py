@@ -11,6 +11,7 @@ from torch import nn
 from ..exceptions import PrimitiveError, SlapoError
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import forward_wraps, label, wrap_forward
+from .compile_rng import RNG_MODES, inductor_backend
 
 __all__ = ["CompileError", "CompilePrimitive", "COMPILE_MODES"]
 
@@ -116,11 +117,14 @@ class CompilePrimitive(Primitive):
     and ``shard`` before ``compile``: the compiler then plans the recompute itself (a selective
     policy costs nothing at run time) and sees the sharded shapes.
 
-    With inductor, random ops (dropout) draw from torch's generator as eager code does
-    (``fallback_random``): the same masks as the uncompiled module, faster on CPU than inductor's
-    generated random numbers, and clear of an inductor CPU bug of torch 2.13 (its own random
-    numbers, recomputed in a checkpointed block that also returns an embedding-derived tensor,
-    corrupt the heap). ``options={"fallback_random": False}`` turns it off.
+    With inductor, ``rng`` says where random ops (dropout) draw from
+    (:mod:`slapo.primitives.compile_rng`): ``"eager"`` (the default) from torch's generator op by
+    op, the same masks as the uncompiled module; ``"bulk"``: each dropout mask from 64-bit draws
+    of torch's generator, four elements a draw (:func:`slapo.op.dropout.bulk_dropout`: the same
+    law, p rounded to 1/65536, about 4x cheaper on CPU, where dropout's ``bernoulli_`` can take a
+    third of a small model's step); ``"inductor"``: inductor's own generated numbers (slower than
+    both on CPU, and an inductor CPU bug of torch 2.13 corrupts the heap when they are recomputed
+    in a checkpointed block that also returns an embedding-derived tensor).
 
     Args:
         backend: a ``torch.compile`` backend name (``"inductor"``, ``"aot_eager"``, ...) or
@@ -131,10 +135,12 @@ class CompilePrimitive(Primitive):
         fullgraph: raise at the first call if the forward cannot be captured as one graph.
         grad_only: run eagerly while no gradient is recorded (eval, ``generate``), so that
             decoding token by token does not compile a graph per sequence length.
+        rng: ``"eager"``, ``"bulk"`` or ``"inductor"`` (inductor only; see above).
 
     Example:
         >>> sch["model.layers.0"].checkpoint(policy="save_matmuls")
         >>> sch["model.layers.0"].compile()
+        >>> sch.compile(rng="bulk")  # or the whole model, with cheap dropout masks
     """
 
     name = "compile"
@@ -149,6 +155,7 @@ class CompilePrimitive(Primitive):
         dynamic: bool | None = None,
         fullgraph: bool = False,
         grad_only: bool = False,
+        rng: str = "eager",
     ) -> None:
         import torch._dynamo  # deferred: importing dynamo takes a second; only compile needs it
 
@@ -174,6 +181,10 @@ class CompilePrimitive(Primitive):
                 f'compile on "{where}": options must be a dict of inductor settings, got '
                 f"{type(options).__name__}"
             )
+        if rng not in RNG_MODES:
+            raise PrimitiveError(
+                f'compile on "{where}": rng must be one of {RNG_MODES}, got {rng!r}'
+            )
         _check_backend(where, backend)
         sch.require_unapplied("compile")
         settings: dict[str, Any] = {"backend": backend, "dynamic": dynamic, "fullgraph": fullgraph}
@@ -182,11 +193,13 @@ class CompilePrimitive(Primitive):
             from torch._inductor import list_mode_options
 
             preset = list_mode_options(mode) if mode is not None else {}
-            settings["options"] = {"fallback_random": True, **preset, **(options or {})}
-        elif mode is not None or options:
+            settings["backend"], settings["options"] = inductor_backend(
+                rng, {**preset, **(options or {})}
+            )
+        elif mode is not None or options or rng != "eager":
             raise PrimitiveError(
-                f'compile on "{where}": mode= and options= are inductor settings; backend '
-                f"{backend!r} takes neither"
+                f'compile on "{where}": mode=, options= and rng= are inductor settings; backend '
+                f"{backend!r} takes none of them"
             )
         _raise_limits()
         wrap_forward(sch.mod, "compile", _compiled(where, settings, grad_only))

@@ -100,12 +100,21 @@ class TrainConfig:
         None, "compile the whole model (default: recommended on --target eager)",
         group=SCHEDULE_KNOBS,
     )  # fmt: skip
+    compile_rng: str | None = option(
+        None, "eager, bulk (cheap dropout masks) or inductor: where compiled dropout draws "
+        "(default: recommended)", group=SCHEDULE_KNOBS, choices=("eager", "bulk", "inductor"),
+    )  # fmt: skip
     attn_op: str | None = option(
         None, "eager, sdpa, flash (CUDA) or none: the model's own (default: recommended)",
         group=SCHEDULE_KNOBS, parse=parse_attn_op,
     )  # fmt: skip
-    fuse_ops: bool = option(False, "fuse bias+GELU / bias+dropout+residual", group=SCHEDULE_KNOBS)
-    fused_loss: bool = option(False, "chunked LM head + cross-entropy", group=SCHEDULE_KNOBS)
+    fuse_ops: bool | None = option(
+        None, "fuse bias+GELU / bias+dropout+residual (default: recommended)",
+        group=SCHEDULE_KNOBS,
+    )  # fmt: skip
+    fused_loss: bool | None = option(
+        None, "chunked LM head + cross-entropy (default: recommended)", group=SCHEDULE_KNOBS
+    )
     sequence_parallel: bool = option(
         False, "sequence parallelism with --tp (gpt2)", group=SCHEDULE_KNOBS
     )
@@ -142,7 +151,8 @@ class TrainConfig:
             flag = "--" + f.name.replace("_", "-")
             if meta.get("positive") and value <= 0:
                 raise SlapoError(f"{flag} must be positive, got {value}")
-            if meta.get("choices") is not None and value not in meta["choices"]:
+            choices = meta.get("choices")
+            if choices is not None and value is not None and value not in choices:  # None: default
                 raise SlapoError(f"{flag} must be one of {meta['choices']}, got {value!r}")
         if self.baseline_steps < 0:
             raise SlapoError(f"--baseline-steps must be 0 or more, got {self.baseline_steps}")

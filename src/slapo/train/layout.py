@@ -165,15 +165,13 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     given = {
         "ckpt_ratio": cfg.ckpt_ratio, "ckpt_policy": cfg.ckpt_policy,
         "compile_blocks": cfg.compile_blocks, "compile_model": cfg.compile_model,
-        "attn_op": cfg.attn_op,
+        "compile_rng": cfg.compile_rng, "attn_op": cfg.attn_op, "fuse_ops": cfg.fuse_ops,
+        "fused_loss": cfg.fused_loss,
     }  # fmt: skip
     knobs.update({k: v for k, v in given.items() if v is not None})
     if knobs.get("attn_op") == "model":
         knobs["attn_op"] = None  # the model's own attention
-    knobs.update(
-        fuse_ops=cfg.fuse_ops, fused_loss=cfg.fused_loss,
-        sequence_parallel=cfg.sequence_parallel, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    knobs.update(sequence_parallel=cfg.sequence_parallel, num_stages=cfg.num_stages)
     if layout is not None and layout.tp_group is not None:
         knobs["group"] = layout.tp_group
     return knobs
