@@ -5,7 +5,12 @@
 * ``"bulk"``: every dropout (``native_dropout``, to which ``nn.Dropout``, ``F.dropout`` and SDPA's
   attention dropout lower) draws its mask with :func:`slapo.op.dropout.bulk_dropout`, four
   decisions per 64-bit draw of torch's generator: about 4x cheaper masks on CPU, the masks eager
-  code draws under :func:`slapo.op.dropout.bulk_dropout_masks`.
+  code draws under :func:`slapo.op.dropout.bulk_dropout_masks`. A dropout that a selective
+  checkpoint recomputes is drawn under a saved generator state and replayed in backward (forward
+  and backward use one mask), but inductor may then order the draws otherwise than eager code:
+  in T5 with ``recompute_dropout`` the masks differed from the eager reference's (gradients
+  consistent with the loss, checked by finite differences in float64), which is why the ready
+  schedules keep dropout in their policies under ``bulk``.
 * ``"inductor"``: inductor's own generated random numbers (``fallback_random=False``).
 
 The ``bulk`` lowering is a decomposition handed to inductor's ``compile_fx``. Inductor's caches
