@@ -4,6 +4,7 @@ same masks (``bulk_dropout_masks``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -93,13 +94,9 @@ class AttentionBlock(nn.Module):
 def _step(model: nn.Module, x: torch.Tensor, context=None):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(11)
-    if context is None:
+    with context if context is not None else contextlib.nullcontext():
         loss = model(x)
         loss.backward()
-    else:
-        with context:
-            loss = model(x)
-            loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
