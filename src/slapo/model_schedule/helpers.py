@@ -169,7 +169,8 @@ def apply_shared_knobs(
     """
     use_attention(sch, k.attn_op)
     # Bulk masks are plain pointwise ops to inductor, clear of the mis-compiled kept dropout that
-    # recompute_dropout_in works around; a recomputed dropout would keep eager masks there.
+    # recompute_dropout_in works around; recomputed, they would be drawn in another order than
+    # the eager model's (see slapo.primitives.compile_rng).
     if k.compile_rng == "bulk":
         recompute_dropout_in = ()
     checkpoint_blocks(sch, layers, k.ckpt_ratio, k.selective_policy, recompute_dropout_in)
@@ -179,9 +180,8 @@ def apply_shared_knobs(
         install_fused_loss(sch, head, shift=shift)
     cut_stages(sch, layers, k.num_stages)
     if k.compile_model:
-        sch.compile(
-            grad_only=True, rng=k.compile_rng
-        )  # last: the region holds every primitive applied above
+        # last: the region holds every primitive applied above
+        sch.compile(grad_only=True, rng=k.compile_rng)
 
 
 def use_attention(sch: Schedule, attn_op: str | None) -> int:

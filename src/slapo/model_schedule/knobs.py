@@ -127,7 +127,7 @@ def _describe(group: Any) -> str:
 
 #: The best measured combination of knobs for training on CPU, per family: the fastest schedule
 #: at 0.7x the unscheduled model's peak memory or less (``benchmarks/model_schedules.py
-#: --isolate 3``, each schedule alone in its process, 2 cores). Every family compiles the whole
+#: --isolate 2`` and ``3``, each schedule alone in its process, 2 cores). Every family compiles the whole
 #: model, draws its dropout masks in bulk (``compile_rng="bulk"``: dropout's ``bernoulli_`` was a
 #: quarter to a third of a compiled step) and uses SDPA attention. GPT-2 needs no checkpoint (the
 #: compiled model alone keeps 0.69x the memory); the others checkpoint their blocks selectively:

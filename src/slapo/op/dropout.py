@@ -3,8 +3,8 @@
 On CPU, ``bernoulli_`` (what dropout draws its mask with) costs about 1.4 ms per half a million
 elements on two cores: a quarter to a third of a small transformer's training step. Drawing 64
 random bits per four elements and comparing each 16-bit lane with a threshold gives a mask with
-the same Bernoulli law, the drop probability rounded to a multiple of 1/65536, at a quarter of the
-cost (measured in ``benchmarks/model_schedules.py``). The bits come from torch's default generator
+the same Bernoulli law, the drop probability rounded to a multiple of 1/65536, at about a quarter
+of the cost (compiled, 360 K elements, 2 threads: 0.56 ms against 1.99 ms). The bits come from torch's default generator
 of the tensor's device, so ``torch.manual_seed``, ``fork_rng`` and checkpoint recompute (which
 restore that generator) reproduce the masks.
 
@@ -17,6 +17,7 @@ dropout of a compiled region (``nn.Dropout``, ``F.dropout``, SDPA's attention dr
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,9 +59,7 @@ def bulk_keep_mask(
     dropped_levels = round(p * _LEVELS)
     if dropped_levels >= _LEVELS:  # the threshold would not fit a 16-bit lane
         return torch.zeros(shape, dtype=torch.bool, device=device)
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     words = (numel + LANES - 1) // LANES
     # [-2**63, 2**63 - 1): every 64-bit pattern but one, uniformly
     bits = torch.randint(-(2**63), 2**63 - 1, (words,), dtype=torch.int64, device=device)
