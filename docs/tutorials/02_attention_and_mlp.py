@@ -96,6 +96,7 @@ qkv = attn.find(r"[qkv]_proj")  # a regex over submodule names: three one-node s
 # find needed a graph, so it traced "attn" (and only it): "mlp" is still an ordinary module.
 assert isinstance(attn.mod, fx.GraphModule) and not isinstance(sch["mlp"].mod, fx.GraphModule)
 print("found:", [s.output.target for s in qkv])
+# The new module is registered as "qkv_0" (a second one would be "qkv_1"), as Slapo names it.
 attn.replace(FusedQKV(model.attn.q_proj, model.attn.k_proj, model.attn.v_proj), qkv, name="qkv")
 print("attn's children now:", list(attn.child))
 
@@ -116,7 +117,7 @@ print(attn.mod.code)
 sch["mlp.fc1"].decompose()  # Linear -> matmul, then bias add: exposes the add to the graph
 sch["mlp"].trace(flatten=True)  # flatten: trace through fc1 into its matmul and add
 bias_gelu = sch["mlp"].find(lambda x, bias: F.gelu(bias + x))
-print("bias+GELU subgraph:", [n.name for n in bias_gelu[0]])
+print("bias+GELU subgraph:", [node.name for _, node in bias_gelu[0]])  # (path, node) pairs
 # The compiler turns the fused module into one kernel: "TorchScript" here; "inductor" (torch.compile)
 # needs a C++ toolchain on CPU; None keeps the fused module eager.
 sch["mlp"].fuse("TorchScript", bias_gelu, name="BiasGeLU")
@@ -137,7 +138,7 @@ got = dict(model.named_parameters())
 for name, ref in ref_params.items():
     if name.split(".")[1] in ("q_proj", "k_proj", "v_proj"):
         kind = name.rsplit(".", 1)[1]  # weight or bias
-        grad = got[f"attn.qkv.{kind}"].grad.chunk(3)["qkv".index(name.split(".")[1][0])]
+        grad = got[f"attn.qkv_0.{kind}"].grad.chunk(3)["qkv".index(name.split(".")[1][0])]
     else:
         grad = got[name].grad  # the other parameters kept their names
     torch.testing.assert_close(grad, ref.grad, msg=lambda m, n=name: f"{n}: {m}")

@@ -73,7 +73,7 @@ sch["attn"].replace(probe, found, name="softmax_probe")
 
 # ---- 3. Probe the input of the output projection: Print, then the very same Linear. -------------
 # Print returns what it gets, so it can sit in front of any module. Note that the Linear's
-# parameter names now go through the probe ("out_proj_probe.1.weight"): fine while debugging.
+# parameter names now go through the probe ("out_proj_probe_0.1.weight"): fine while debugging.
 found = sch["attn"].find(r"out_proj")
 sch["attn"].replace(
     nn.Sequential(op.Print("out_proj input"), model.attn.out_proj), found, name="out_proj_probe"
@@ -109,7 +109,7 @@ ref_out.sum().backward()
 # The same ops in the same order on the same operands: bit for bit on any CPU.
 torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
 torch.testing.assert_close(
-    model.attn.out_proj_probe[1].weight.grad, reference.attn.out_proj.weight.grad, rtol=0, atol=0
+    model.attn.out_proj_probe_0[1].weight.grad, reference.attn.out_proj.weight.grad, rtol=0, atol=0
 )
 torch.testing.assert_close(
     model.attn.q_proj.weight.grad, reference.attn.q_proj.weight.grad, rtol=0, atol=0

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import fx, nn
@@ -82,8 +82,11 @@ def call_module(regex: str, *args: Any) -> Any:
 
 
 @dataclass
-class Subgraph:
-    """A matched part of a traced module's graph.
+class Subgraph(Sequence[tuple[str, fx.Node]]):
+    """A matched part of a traced module's graph: a sequence of ``(path, node)`` pairs.
+
+    Indexing and iteration give Slapo's ``(path, node)`` pairs, so code written for Slapo reads a
+    match as it always did; the fields below say more about it.
 
     Attributes:
         path: schedule path (relative to the schedule ``find`` ran on) of the GraphModule whose
@@ -92,6 +95,13 @@ class Subgraph:
         inputs: values from outside the subgraph, one per pattern placeholder (or, for a module
             call, its arguments).
         output: the node whose value the subgraph produces.
+
+    Example:
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+        >>> subgraphs = sch.find(lambda x: torch.nn.functional.gelu(x))
+        >>> path, node = subgraphs[0][0]
+        >>> path, node.op, len(subgraphs[0])
+        ('', 'call_module', 1)
     """
 
     path: str
@@ -100,11 +110,30 @@ class Subgraph:
     output: fx.Node
     kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def __iter__(self) -> Iterator[fx.Node]:
-        return iter(self.nodes)
+    @overload
+    def __getitem__(self, index: int) -> tuple[str, fx.Node]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[tuple[str, fx.Node]]: ...
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [(self.path, n) for n in self.nodes[index]]
+        return (self.path, self.nodes[index])
+
+    def __iter__(self) -> Iterator[tuple[str, fx.Node]]:
+        return ((self.path, n) for n in self.nodes)
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def __contains__(self, item: object) -> bool:
+        # A bare node is a member too, as when a match iterated over its nodes.
+        if isinstance(item, tuple) and len(item) == 2:
+            path, item = item
+            if path != self.path:
+                return False
+        return any(item is n for n in self.nodes)
 
     def __repr__(self) -> str:
         ops = ", ".join(n.name for n in self.nodes)

@@ -46,23 +46,40 @@ MODEL_PARALLEL_RNG = "model-parallel-rng"
 _TP_SEED_OFFSET = 2718
 
 
-def _device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def _device_types() -> tuple[str, ...]:
+    # On a CUDA machine CPU tensors still draw from the CPU generator: a forked region must
+    # fork both, or a CPU dropout in it would draw the same mask on every tensor-parallel rank.
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
-def _get_state(device_type: str) -> torch.Tensor:
-    return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
+def _get_states(device_types: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        torch.cuda.get_rng_state() if kind == "cuda" else torch.get_rng_state()
+        for kind in device_types
+    )
 
 
-def _set_state(device_type: str, state: torch.Tensor) -> None:
-    if device_type == "cuda":
-        torch.cuda.set_rng_state(state)
-    else:
-        torch.set_rng_state(state)
+def _set_states(device_types: tuple[str, ...], states: tuple[torch.Tensor, ...]) -> None:
+    for kind, state in zip(device_types, states, strict=True):
+        if kind == "cuda":
+            torch.cuda.set_rng_state(state)
+        else:
+            torch.set_rng_state(state)
+
+
+def _seed(device_types: tuple[str, ...], seed: int) -> None:
+    for kind in device_types:
+        if kind == "cuda":
+            torch.cuda.manual_seed(seed)  # the current device's generator, as it is saved
+        else:
+            torch.default_generator.manual_seed(seed)
 
 
 class RNGStatesTracker:
-    """Named generator states that can be swapped into the default generator.
+    """Named generator states that can be swapped into the default generators.
+
+    A state covers the CPU generator and, on a CUDA machine, the current CUDA device's
+    generator too (``device_type="cpu"`` tracks the CPU one alone).
 
     Example:
         >>> tracker = RNGStatesTracker()
@@ -72,52 +89,54 @@ class RNGStatesTracker:
     """
 
     def __init__(self, device_type: str | None = None) -> None:
-        self.device_type = device_type or _device_type()
-        self.states: dict[str, torch.Tensor] = {}
+        self.device_types = ("cpu",) if device_type == "cpu" else _device_types()
+        self.states: dict[str, tuple[torch.Tensor, ...]] = {}
         self.seeds: set[int] = set()
+
+    @property
+    def device_type(self) -> str:
+        """The accelerator whose generator is tracked beside the CPU's (``"cpu"`` if none)."""
+        return self.device_types[-1]
 
     def reset(self) -> None:
         self.states.clear()
         self.seeds.clear()
 
-    def get_states(self) -> dict[str, torch.Tensor]:
-        return {name: state.clone() for name, state in self.states.items()}
+    def get_states(self) -> dict[str, tuple[torch.Tensor, ...]]:
+        return {name: tuple(s.clone() for s in state) for name, state in self.states.items()}
 
-    def set_states(self, states: dict[str, torch.Tensor]) -> None:
-        self.states = {name: state.clone() for name, state in states.items()}
+    def set_states(self, states: dict[str, tuple[torch.Tensor, ...]]) -> None:
+        self.states = {name: tuple(s.clone() for s in state) for name, state in states.items()}
 
     def add(self, name: str, seed: int) -> None:
-        """Create the state ``name`` from ``seed`` without disturbing the default generator."""
+        """Create the state ``name`` from ``seed`` without disturbing the default generators."""
         if seed in self.seeds:
             raise SlapoError(f"RNG seed {seed} is already used by another tracked state")
         if name in self.states:
             raise SlapoError(f"RNG state '{name}' already exists; call reset() first")
         self.seeds.add(seed)
-        saved = _get_state(self.device_type)
+        saved = _get_states(self.device_types)
         try:
-            if self.device_type == "cuda":
-                torch.cuda.manual_seed(seed)
-            else:
-                torch.manual_seed(seed)
-            self.states[name] = _get_state(self.device_type)
+            _seed(self.device_types, seed)
+            self.states[name] = _get_states(self.device_types)
         finally:
-            _set_state(self.device_type, saved)
+            _set_states(self.device_types, saved)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the block with the tracked state ``name`` as the default generator's state."""
+        """Run the block with the tracked state ``name`` as the default generators' state."""
         if name not in self.states:
             raise SlapoError(
                 f"RNG state '{name}' is not set: call slapo.set_random_seed(seed, tp_rank=...) "
                 "before running a module scheduled with fork_rng()"
             )
-        saved = _get_state(self.device_type)
-        _set_state(self.device_type, self.states[name])
+        saved = _get_states(self.device_types)
+        _set_states(self.device_types, self.states[name])
         try:
             yield
         finally:
-            self.states[name] = _get_state(self.device_type)
-            _set_state(self.device_type, saved)
+            self.states[name] = _get_states(self.device_types)
+            _set_states(self.device_types, saved)
 
 
 _TRACKER = RNGStatesTracker()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .exceptions import PrimitiveError, SchedulePathError, SlapoError
+from .ranks import get_rank, get_world_size
 from .surgery import forward_wraps, join_path, label
 
 __all__ = [
@@ -227,6 +228,27 @@ class Schedule:
         return is_module_list(self.mod, self.name, self.parent)
 
     @property
+    def rank(self) -> int:
+        """This process's rank in the schedule's group (``create_schedule(..., group=)``, the
+        world if None); 0 without torch.distributed.
+
+        Example:
+            >>> create_schedule(nn.Linear(2, 2)).rank  # no process group started
+            0
+        """
+        return get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        """The size of the schedule's group (the world if None); 1 without torch.distributed.
+
+        Example:
+            >>> create_schedule(nn.Linear(2, 2)).world_size  # no process group started
+            1
+        """
+        return get_world_size(self.group)
+
+    @property
     def root(self) -> Schedule:
         sch = self
         while sch.parent is not None:
@@ -361,7 +383,8 @@ def create_schedule(
         path: the dotted path from the top module ("" for the top module).
         parent: the parent schedule, None for the top module.
         group: the process group (or DeviceMesh dimension) that tensor-parallel primitives use;
-            None means the default (world) group.
+            None means the default (world) group. ``sch.rank`` and ``sch.world_size`` are this
+            process's rank in it and its size.
         **kwargs: extra attributes kept on the schedule (``sch.extra``); ``metadata=`` shares an
             existing :class:`ScheduleMetadata`.
 

@@ -47,7 +47,7 @@ class _Messages(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
 def test_checkpointed_layers_run_without_the_kv_cache_like_transformers(family, monkeypatch):
     # transformers' defaults: use_cache=True. With eager attention the causal mask is added to the
     # scores, so a recompute that appends its keys to the cache a second time breaks backward.
@@ -93,6 +93,35 @@ def test_checkpointed_layers_run_without_the_kv_cache_like_transformers(family, 
     # Greedy decoding with the same calls as the unscheduled model: the same tokens, bit for bit.
     assert torch.equal(generated, ref.generate(prompt, **kw))
     assert lengths == [4, 1, 1]  # after the prompt, one new token per step: the cache was read
+
+
+class _CacheSpy(nn.Module):
+    """Records the cache arguments each call gets; reads its ``past_key_values`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[tuple] = []
+
+    def forward(self, x, past_key_values=None, cache=None, use_cache=False):
+        self.seen.append((past_key_values, cache, use_cache))
+        return self.linear(x)
+
+
+class _CacheReader(_CacheSpy):
+    _can_checkpoint_with_cache = True  # transformers' flag for layers that only read the cache
+
+
+@pytest.mark.parametrize("spy_cls", [_CacheSpy, _CacheReader])
+def test_checkpoint_switches_off_only_what_transformers_switches_off(spy_cls):
+    spy = spy_cls()
+    slapo.create_schedule(spy).checkpoint()
+    memo, kv = ["a user's own cache"], object()
+    spy(torch.randn(2, 4, requires_grad=True), kv, memo, use_cache=True).sum().backward()
+    # Every call (the forward and its recompute) saw the same arguments: use_cache off always;
+    # a reader keeps its key/value cache; a "cache" that is no transformers cache is not ours.
+    want = (kv if spy_cls is _CacheReader else None, memo, False)
+    assert spy.seen == [want, want]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -43,3 +43,18 @@ def test_the_one_training_loop_runs_as_written():
     )
     exec(compile(code, str(README), "exec"), {**scope, "losses": losses})  # noqa: S102
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_the_readme_states_the_lower_bounds_pyproject_declares():
+    """The "Supported versions" paragraph and pyproject.toml's dev extra name the same bounds
+    (scripts/test-deps.sh tests the ones in pyproject.toml)."""
+    import tomllib
+
+    pyproject = tomllib.loads((README.parent / "pyproject.toml").read_text())
+    dev = pyproject["project"]["optional-dependencies"]["dev"]
+    lows = dict(re.match(r"([a-z-]+)>=([0-9.]+)", req).groups() for req in dev if ">=" in req)
+    section = README.read_text().split("### Supported versions", 1)[1].split("\n#", 1)[0]
+    prose = " ".join(section.split())
+    assert f"`transformers` {lows['transformers']} to the newest" in prose
+    for name in ("peft", "deepspeed", "accelerate"):
+        assert f"`{name}` >= {lows[name]}" in prose, name

@@ -7,6 +7,8 @@ after SGD steps mean equal gradients at every step).
 
 from __future__ import annotations
 
+import inspect
+
 import hf_models
 import jobs_loop
 import torch
@@ -106,7 +108,12 @@ def check_gpt2() -> None:
         hf_models.make("gpt2", dropout=0.0), batches, lambda m, b: m(**b).loss
     )
     assert ref_losses[-1] < ref_losses[0], f"the reference does not learn: {ref_losses}"
-    sch = slapo.create_schedule(hf_models.make("gpt2", dropout=0.0))
+    model = hf_models.make("gpt2", dropout=0.0)
+    # The parameter between input_ids and attention_mask: the key/value cache, whose name
+    # depends on the transformers release (past_key_values, then cache from 5.24).
+    gap = list(inspect.signature(model.forward).parameters)[1]
+    assert gap in ("past_key_values", "cache"), gap
+    sch = slapo.create_schedule(model)
     sch["transformer.h.0"].cut_pipeline_stage()
     losses, engine, _ = lazy_loop(sch, batches, jobs_loop.causal_loss)
     compare(losses, ref_losses, engine, ref_weights)
@@ -132,14 +139,19 @@ def check_mlp() -> None:
 
 def check_lazy_errors() -> None:
     """What a pipeline waiting for its first batch says about the batch, before any stage runs."""
-    sch = slapo.create_schedule(hf_models.make("gpt2", dropout=0.0))
+    model = hf_models.make("gpt2", dropout=0.0)
+    # The parameter between input_ids and attention_mask: the key/value cache, whose name
+    # depends on the transformers release (past_key_values, then cache from 5.24).
+    gap = list(inspect.signature(model.forward).parameters)[1]
+    assert gap in ("past_key_values", "cache"), gap
+    sch = slapo.create_schedule(model)
     sch["transformer.h.0"].cut_pipeline_stage()
     engine, opt = slapo.build(sch, target="pipeline", num_microbatches=3, loss_fn=F.mse_loss)
     assert opt is None
     batch = jobs_loop.data()[0]
     for bad, text in [
         (batch, "num_microbatches=3"),  # a batch of 4 into 3 microbatches
-        ({**batch, "attention_mask": batch["labels"]}, "['past_key_values']"),
+        ({**batch, "attention_mask": batch["labels"]}, f"but not [{gap!r}]"),
     ]:
         try:
             slapo.train_step(engine, bad)

@@ -7,6 +7,8 @@ shipping them through host memory.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -32,9 +34,17 @@ def causal_mask(
         config=config,
         inputs_embeds=hidden,
         attention_mask=attention_mask,
-        past_key_values=None,
         position_ids=position_ids,
+        **{_mask_cache_arg(make_mask): None},
     )
+
+
+@functools.cache
+def _mask_cache_arg(make_mask: Any) -> str:
+    """The name of the mask builder's cache argument: ``past_key_values`` up to transformers
+    5.23, ``cache`` from 5.24 (the old name warns there and goes in 5.40)."""
+    params = inspect.signature(make_mask).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class DecoderEmbed(nn.Module):

@@ -3,10 +3,12 @@
 Tensor parallelism follows Megatron-LM: q/k/v and the first MLP projection are column-parallel
 (output features split), the attention output and the second MLP projection are row-parallel
 (input features split, outputs all-reduced), and the input gradient of each parallel region is
-all-reduced. transformers 5 reshapes q/k/v with ``view(..., -1, head_dim)``, so sharded
-projections give each rank ``heads / world`` heads by themselves; attributes that still hold the
-global sizes are divided with :func:`divide_attrs` (GPT-2's ``split_size`` must be: it splits the
-fused q/k/v output).
+all-reduced. A parameter that stays replicated inside a region but consumes its sharded
+activations (a norm over each attention head) gets a partial gradient on each rank:
+:func:`replicated` sums it over the group in backward. transformers 5 reshapes q/k/v with
+``view(..., -1, head_dim)``, so sharded projections give each rank ``heads / world`` heads by
+themselves; attributes that still hold the global sizes are divided with :func:`divide_attrs`
+(GPT-2's ``split_size`` must be: it splits the fused q/k/v output).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ..op import attention, register_transformers_attention
 from ..random import recompute_dropout
 from ..schedule import Schedule
 from ..sharding import resolve_group
+from ..sharding.rules import is_norm
 from ..surgery import is_conv1d
 from .fusion import install_fused_loss
 from .knobs import Knobs
@@ -34,6 +37,8 @@ __all__ = [
     "column",
     "row",
     "enter",
+    "replicated",
+    "per_head_norms",
     "divide_attrs",
     "tp_size",
     "checkpoint_blocks",
@@ -82,6 +87,51 @@ def enter(sch: Schedule, path: str, sequence_parallel: bool = False) -> None:
         sch[path].sync(mode="fwd_pre", **SP_GATHER)
     else:
         sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
+
+
+def replicated(sch: Schedule, path: str) -> None:
+    """A replicated module inside a TP region: its parameters stay whole on every rank but see
+    only this rank's shard of the activations (e.g. a norm over each attention head, between the
+    column-parallel q/k and the row-parallel output), so each rank's gradient is a partial sum;
+    backward all-reduces it over the group (``sync(mode="bwd_param")``).
+
+    Example:
+        >>> replicated(sch, "model.layers.0.self_attn.q_norm")  # Qwen3
+    """
+    sch[path].sync(mode="bwd_param", sync_op_or_fn="all_reduce")
+
+
+def per_head_norms(sch: Schedule, path: str) -> list[str]:
+    """The paths of the norms inside attention module ``path`` that normalize one head at a time
+    (Qwen3's ``q_norm``/``k_norm``): those with ``head_dim`` weights.
+
+    Head-parallel attention shards whole heads, so such a norm keeps working per rank and only
+    its gradient needs :func:`replicated`. A norm with another size normalizes across heads,
+    which each rank holds only some of: a :class:`SlapoError` instead of wrong results.
+
+    Example:
+        >>> per_head_norms(sch, "model.layers.0.self_attn")  # Qwen3
+        ['model.layers.0.self_attn.q_norm', 'model.layers.0.self_attn.k_norm']
+    """
+    attn = sch[path].mod
+    config = getattr(sch.root.mod, "config", None)
+    head_dim = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None)
+    if head_dim is None and config is not None:
+        head_dim = config.hidden_size // config.num_attention_heads
+    found = []
+    for name, mod in attn.named_modules():
+        weight = getattr(mod, "weight", None)
+        norm_like = is_norm(mod) or "norm" in name.rsplit(".", 1)[-1].lower()
+        if not name or not norm_like or not isinstance(weight, torch.Tensor):
+            continue
+        if weight.numel() != head_dim:
+            raise SlapoError(
+                f'tensor parallelism of "{path}": its norm "{name}" has {weight.numel()} '
+                f"weights, not head_dim = {head_dim}: it normalizes across heads, which are split "
+                "over the ranks; this plan supports norms over one head only"
+            )
+        found.append(f"{path}.{name}")
+    return found
 
 
 def tp_size(sch: Schedule) -> int:

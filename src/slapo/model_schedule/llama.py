@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .helpers import apply_shared_knobs, blocks, column, enter, require, row, tp_size
+from .helpers import (
+    apply_shared_knobs,
+    blocks,
+    column,
+    enter,
+    per_head_norms,
+    replicated,
+    require,
+    row,
+    tp_size,
+)
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -31,6 +41,8 @@ def llama(sch: Schedule, k: Knobs) -> None:
             for proj in ("q_proj", "k_proj", "v_proj"):  # Qwen2 gives these a bias
                 column(sch, f"{blk}.self_attn.{proj}")
             row(sch, f"{blk}.self_attn.o_proj")
+            for norm in per_head_norms(sch, f"{blk}.self_attn"):  # Qwen3's q_norm, k_norm
+                replicated(sch, norm)  # sees this rank's heads: sum its gradient
             enter(sch, f"{blk}.self_attn")
             for proj in ("gate_proj", "up_proj"):
                 column(sch, f"{blk}.mlp.{proj}")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..exceptions import PrimitiveError, SlapoError
 from ..logger import get_logger
@@ -18,14 +19,21 @@ from ..surgery import forward_wraps, wrap_forward
 from .fuse import _is_subgraph
 from .subgraph_checkpoint import checkpoint_subgraph
 
-# The arguments through which transformers layers read and write their key/value cache (the names
-# differ between models and versions), and the value each takes with the cache off.
+# The arguments through which transformers layers read and write their key/value cache, and the
+# value each takes with the cache off. The names moved between releases (5.0-5.23:
+# ``past_key_value(s)``, 5.24: ``cache``; GPT-2 style ``layer_past`` throughout); transformers' own
+# gradient checkpointing (``GradientCheckpointingLayer``) switches off every one of them, and so
+# do we, so that no supported release depends on another's spelling.
 _CACHE_ARGS = {
     "use_cache": False,
+    "cache": None,
     "past_key_values": None,
     "past_key_value": None,
     "layer_past": None,
 }
+# ``cache`` is a common word: outside transformers it is switched off only when it holds a
+# transformers cache object (a ``transformers.cache_utils.Cache``).
+_GENERIC_NAMES = frozenset({"cache"})
 _warned = False
 
 
@@ -42,15 +50,43 @@ def _positions(func: Callable[..., Any]) -> dict[str, int]:
     }
 
 
+def _is_transformers_cache(value: Any) -> bool:
+    """Whether ``value`` is a transformers key/value cache (``transformers.cache_utils.Cache``)."""
+    # By the class's home rather than isinstance: slapo does not import transformers.
+    return any(
+        c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils"
+        for c in type(value).__mro__
+    )
+
+
+def _switched_off(name: str, value: Any, hf_layer: bool) -> bool:
+    """Whether the call's argument ``name`` holds a cache (or ``use_cache=True``) to switch off."""
+    if name == "use_cache":
+        return bool(value)
+    if name in _GENERIC_NAMES and not hf_layer:
+        return _is_transformers_cache(value)
+    # A cache object may define __len__ (an empty one is falsy): test it against None.
+    return value is not None
+
+
 def _without_cache(
-    path: str, positions: dict[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]
+    path: str,
+    positions: dict[str, int],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    hf_layer: bool = False,
+    keep_cache: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with the key/value cache turned off; warns once per process.
 
     ``positions``: where the cache arguments sit among the positional ones (:func:`_positions`).
+    ``hf_layer``: the module is a transformers class. ``keep_cache``: the layer only reads the
+    cache (transformers' ``_can_checkpoint_with_cache``), so only ``use_cache`` is switched off.
     """
     args, kwargs, changed = list(args), dict(kwargs), []
     for name, off in _CACHE_ARGS.items():
+        if keep_cache and name != "use_cache":
+            continue
         if name in kwargs:
             value, put = kwargs[name], kwargs.__setitem__
             where: Any = name
@@ -59,8 +95,7 @@ def _without_cache(
             value, put = args[where], args.__setitem__
         else:
             continue
-        # A cache object may define __len__ (an empty one is falsy): test it against None.
-        if bool(value) if name == "use_cache" else value is not None:
+        if _switched_off(name, value, hf_layer):
             put(where, off)
             changed.append(f"{name}={off}")
     global _warned
@@ -79,17 +114,20 @@ def _without_cache(
 
 
 def _checkpointed(
-    path: str, forward: Callable[..., Any], policy: Callable[..., Any] | None
+    path: str, mod: nn.Module, policy: Callable[..., Any] | None
 ) -> Callable[..., Any]:
     # Read the signature of the forward now, not at each call: under torch.compile the bound
     # method's introspection would break the graph.
-    positions = _positions(forward)
+    cls = type(mod)
+    positions = _positions(cls.forward)
+    hf_layer = cls.__module__.startswith("transformers.")
+    keep_cache = bool(getattr(cls, "_can_checkpoint_with_cache", False))
 
     def run(forward: Any, *args: Any, **kwargs: Any) -> Any:
         # Checkpointing buys nothing when no graph is recorded (eval, no_grad); torch would warn.
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        args, kwargs = _without_cache(path, positions, args, kwargs)
+        args, kwargs = _without_cache(path, positions, args, kwargs, hf_layer, keep_cache)
         return rng_checkpoint(forward, *args, use_reentrant=False, policy=policy, **kwargs)
 
     return run
@@ -123,8 +161,10 @@ class CheckpointPrimitive(Primitive):
     through a Python dispatch mode, which costs time on small models.
 
     While gradients are recorded, a checkpointed transformers layer runs without its key/value
-    cache (``use_cache=False``, ``past_key_values=None``; one warning), as under transformers'
-    ``gradient_checkpointing_enable()``: the recompute would append to the cache a second time.
+    cache (``use_cache=False``, ``cache=None`` / ``past_key_values=None`` as the release names it;
+    one warning), as under transformers' ``gradient_checkpointing_enable()``: the recompute would
+    append to the cache a second time. A layer class that only reads its cache
+    (``_can_checkpoint_with_cache = True``) keeps it, as transformers keeps it.
     Under ``torch.no_grad()`` (eval, ``generate``) nothing is checkpointed and the cache works.
 
     Example:
@@ -158,5 +198,5 @@ class CheckpointPrimitive(Primitive):
                 f"{', '.join(sorted(CHECKPOINT_POLICIES))}, a list of aten ops or a function)"
             )
         sch.require_unapplied("checkpoint")
-        wrap_forward(sch.mod, "checkpoint", _checkpointed(where, type(sch.mod).forward, policy_fn))
+        wrap_forward(sch.mod, "checkpoint", _checkpointed(where, sch.mod, policy_fn))
         return None

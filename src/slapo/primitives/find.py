@@ -29,13 +29,16 @@ class FindPrimitive(Primitive):
     dotted name). A function, a ``Pattern`` instance or class, or a ``ModulePattern`` is matched
     structurally; ``call_module(regex, *args)`` inside a pattern matches a submodule call.
     Traced submodules (child GraphModules) are searched too; each ``Subgraph`` records the path
-    of the graph it lives in. Returns every non-overlapping match (an empty list if none).
+    of the graph it lives in. Returns a list with every non-overlapping match (empty if none);
+    a match is a sequence of ``(path, node)`` pairs, as in Slapo (``subgraphs[0][0][1]`` is the
+    first node of the first match), and also has ``nodes``, ``inputs`` and ``output``.
     An untraced module is traced first (trace by need: only this module, as ``trace()`` does).
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
-        >>> sch.find(lambda x: torch.nn.functional.gelu(x))  # traces sch by need
-        [Subgraph(path='', nodes=[_1])]
+        >>> subgraphs = sch.find(lambda x: torch.nn.functional.gelu(x))  # traces sch by need
+        >>> subgraphs, subgraphs[0][0][1].target
+        ([Subgraph(path='', nodes=[_1])], '1')
     """
 
     name = "find"

@@ -9,6 +9,7 @@ import torch
 from torch import fx, nn
 
 from ..exceptions import PrimitiveError
+from ..logger import get_logger
 from ..pattern import Subgraph
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import label
@@ -16,11 +17,17 @@ from .subgraph_replace import replace_each
 
 Compiler = str | Callable[..., Any] | None
 
+#: The compiler of a ``fuse`` that names none: TorchScript where it scripts the subgraph, else the
+#: fused module stays eager (Slapo's default was TorchScript; inductor needs a C++ toolchain).
+DEFAULT_COMPILER = "default"
+
 
 def compile_module(gm: fx.GraphModule, compiler: Compiler, where: str) -> nn.Module:
     """Compile ``gm`` in place of its forward; parameter names do not change."""
     if compiler is None:
         return gm
+    if compiler == DEFAULT_COMPILER:
+        return _script_or_eager(gm, where)
     if isinstance(compiler, str) and compiler.lower() == "torchscript":
         script = getattr(torch.jit, "script", None)
         if script is None:
@@ -41,6 +48,22 @@ def compile_module(gm: fx.GraphModule, compiler: Compiler, where: str) -> nn.Mod
         f'fuse on "{where}": compiler must be "inductor", "TorchScript", another torch.compile '
         f"backend (name or function), or None; got {compiler!r}"
     )
+
+
+def _script_or_eager(gm: fx.GraphModule, where: str) -> nn.Module:
+    """``torch.jit.script(gm)``, or ``gm`` itself (eager) where TorchScript cannot compile it."""
+    script = getattr(torch.jit, "script", None)
+    if script is not None:
+        try:
+            return script(gm)
+        except Exception as exc:  # noqa: BLE001  (the default falls back; an explicit one raises)
+            reason = f"TorchScript cannot compile it ({type(exc).__name__})"
+    else:
+        reason = "this torch has no TorchScript"
+    get_logger().info(
+        f'fuse on "{where}": {reason}; the fused module runs eagerly (pass compiler= to choose)'
+    )
+    return gm
 
 
 _UNSET: Any = object()
@@ -86,7 +109,7 @@ def fuse_arguments(sch: Schedule, first: Any, second: Any, subgraph: Any, compil
             f'fuse on "{label(sch.path)}" needs the subgraph to fuse: '
             "fuse(compiler, sch.find(pattern))"
         )
-    return subgraph, "inductor" if compiler is _UNSET else compiler
+    return subgraph, DEFAULT_COMPILER if compiler is _UNSET else compiler
 
 
 @register_primitive()
@@ -94,15 +117,19 @@ class FusePrimitive(Primitive):
     """Fuse a subgraph found by ``find`` into one module, compiled by ``compiler``.
 
     Both ``fuse(compiler, subgraph)`` (Slapo's order) and ``fuse(subgraph, compiler=...)`` work;
-    the arguments are told apart by type. ``compiler`` is ``"inductor"`` (torch.compile, the
-    default), any other torch.compile backend (a name or a function), ``"TorchScript"``
-    (``torch.jit.script`` of the fused graph, where torch still has it), or None to keep the
-    fused module eager. Several matches are fused one by one (``name``, ``name_0``, ...). The
-    subgraph's intermediate values must not be used outside it. Returns the fused modules' names.
+    the arguments are told apart by type. ``compiler`` is ``"TorchScript"`` (``torch.jit.script``
+    of the fused graph, where torch still has it), ``"inductor"`` (torch.compile) or any other
+    torch.compile backend (a name or a function), or None to keep the fused module eager. Without
+    one (or with ``"default"``), the subgraph is scripted where TorchScript can compile it, else
+    kept as an eager fused module (noted in the log).
+    Each match becomes a submodule ``<name>_0``, ``<name>_1``, ... (Slapo's naming), reachable as
+    ``sch["<name>_0"]``. The subgraph's intermediate values must not be used outside it.
+    Returns the fused modules' names.
 
     Example:
         >>> subgraph = sch.find(lambda x, bias: F.gelu(bias + x))
-        >>> sch.fuse("TorchScript", subgraph, name="BiasGeLU")  # or fuse(subgraph, compiler=...)
+        >>> sch.fuse(subgraph, compiler="TorchScript", name="BiasGeLU")  # or fuse(compiler, ...)
+        ['BiasGeLU_0']
     """
 
     name = "fuse"
@@ -127,4 +154,5 @@ class FusePrimitive(Primitive):
             name,
             name,
             lambda gm, owner: compile_module(gm, compiler, label(owner.path)),
+            numbered=True,
         )

@@ -136,11 +136,13 @@ def replace_each(
     class_name: str,
     make: Callable[[fx.GraphModule, Schedule], nn.Module],
     keep_called: bool = False,
+    numbered: bool = False,
 ) -> list[str]:
     """Cut each subgraph out into a ``GraphModule`` ``gm`` and call ``make(gm, owner)`` in its
     place (``owner``: the schedule whose graph held it); returns the new modules' names.
     ``keep_called``: the modules the subgraph calls stay registered where they were (the new
     module must then not register ``gm`` as a submodule, so no parameter is renamed).
+    ``numbered``: name the modules ``name_0``, ``name_1``, ... (see :func:`substitute`).
 
     Example:
         >>> replace_each(sch, sch.find(pattern), "fuse", "Fused", "Fused", lambda gm, owner: gm)
@@ -152,7 +154,11 @@ def replace_each(
         check_closed(sub, primitive)
         gm, inputs = extract(owner.mod, sub, class_name)
         module = make(gm, owner)
-        names.append(substitute(owner, [sub], module, name, inputs, keep_called=keep_called))
+        names.append(
+            substitute(
+                owner, [sub], module, name, inputs, keep_called=keep_called, numbered=numbered
+            )
+        )
     return names
 
 
@@ -177,13 +183,16 @@ def substitute(
     args: Sequence[Any],
     kwargs: dict[str, Any] | None = None,
     keep_called: bool = False,
+    numbered: bool = False,
 ) -> str:
     """Call ``module(*args, **kwargs)`` in place of ``subs``; output i feeds chain i's users.
 
     With one subgraph the module's output replaces the subgraph's output; with several
     (horizontal fusion) the module returns a tuple with one element per subgraph.
-    Returns the name under which the module is registered in the owner. The submodules that
-    only ``subs`` called are removed, unless ``keep_called``.
+    Returns the name under which the module is registered in the owner: ``name`` if it is
+    free, else ``name_<i>``; with ``numbered`` always ``name_<i>``, the first free ``i`` (Slapo's
+    naming: ``BiasGeLU_0``, ``BiasGeLU_1``, ...). The submodules that only ``subs`` called are
+    removed, unless ``keep_called``.
     """
     gm: fx.GraphModule = owner_sch.mod
     graph = gm.graph
@@ -196,7 +205,7 @@ def substitute(
             f"the subgraphs read {', '.join(a.name for a in late)}, computed after they start; "
             "they cannot be replaced by one call"
         )
-    name = unique_name(gm, name or "subgraph")
+    name = unique_name(gm, name or "subgraph", numbered=numbered)
     gm.add_submodule(name, module)
     with graph.inserting_before(first):
         if any(a.op == "get_attr" for a in arg_nodes):
@@ -254,10 +263,13 @@ def replace_subgraph(
     order, or a module call's own arguments) and its output replaces the chain's output.
     Several chains: it is called once with the distinct inputs of all chains, in first-use
     order, and must return a tuple whose i-th element replaces the i-th chain's output.
+    The module is registered as ``<name>_0`` (then ``_1``, ...), ``name`` defaulting to its class
+    name, as Slapo names it; the registered name is returned.
 
     Example:
         >>> qkv = attn.find(r"[qkv]_proj")  # three module calls on the same input
-        >>> attn.replace(FusedQKV(...), qkv)  # FusedQKV(x) -> (q, k, v)
+        >>> attn.replace(FusedQKV(...), qkv, name="FusedQKV")  # FusedQKV(x) -> (q, k, v)
+        'FusedQKV_0'
     """
     subs = normalize(sch, subgraph, "replace")
     if not subs:
@@ -265,14 +277,14 @@ def replace_subgraph(
     owner = owner_of(sch, subs, "replace")
     for s in subs:
         check_closed(s, "replace")
-    name = name or type(new_module).__name__.lower()
+    name = name or type(new_module).__name__
     if len(subs) == 1:
         s = subs[0]
         single_call = len(s.nodes) == 1 and s.output.op == "call_module"
         args = list(s.output.args) if single_call else _chain_inputs(s)
         kwargs = dict(s.output.kwargs) if single_call else {}
-        return substitute(owner, subs, new_module, name, args, kwargs)
-    return substitute(owner, subs, new_module, name, external_inputs(subs))
+        return substitute(owner, subs, new_module, name, args, kwargs, numbered=True)
+    return substitute(owner, subs, new_module, name, external_inputs(subs), numbered=True)
 
 
 def _chain_inputs(sub: Subgraph) -> list[Any]:

@@ -1,12 +1,18 @@
-"""``sync`` and ``hook``: run an op on a module's input, output, or input gradient.
+"""``sync`` and ``hook``: run an op on a module's input, output, input gradient, or parameter
+gradients.
 
 ``sync`` applies a *tensor op*, either a registered collective such as ``"all_reduce"`` (the sync
 ops live in ``slapo.sharding.sync_ops``; :func:`~slapo.sharding.sync_ops.register_sync_op` adds
-more) or a user function ``fn(tensor, **kwargs) -> tensor``, at one of three points:
+more) or a user function ``fn(tensor, **kwargs) -> tensor``, at one of four points:
 
 * ``fwd_pre``: on the module's main input before forward;
 * ``fwd_post``: on the module's main output after forward;
-* ``bwd_post``: on the gradient of the module's main input, once backward through it is done.
+* ``bwd_post``: on the gradient of the module's main input, once backward through it is done;
+* ``bwd_param``: on the gradient of each of the module's own replicated (unsharded) parameters,
+  before it is accumulated. Tensor parallelism needs it for a replicated parameter that consumes
+  sharded activations, such as a norm over each attention head between the column-parallel and
+  the row-parallel projections: each rank's gradient covers its own heads, and ``"all_reduce"``
+  sums them (:func:`~slapo.sharding.sync_ops.on_param_grads`).
 
 The older Slapo spelling ``sync(mode="forward"|"backward"|"both")`` (Megatron-style tensor
 parallelism) also works: ``"forward"`` is ``fwd_post`` (all-reduce the output of a row-parallel
@@ -30,13 +36,14 @@ from ..sharding.rules import apply_after_sync
 from ..sharding.sync_ops import (
     SYNC_OPS,
     on_grad,
+    on_param_grads,
     primary_input,
     replace_primary_output,
     sync_group,
 )
 from ..surgery import label
 
-SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post")
+SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post", "bwd_param")
 # The older spelling (seed 003), each with the modes above that it applies, in this order.
 SEED_SYNC_MODES = {
     "forward": ("fwd_post",),
@@ -65,9 +72,11 @@ def _resolve_op(sch: Schedule, sync_op_or_fn: str | Callable, kwargs: dict[str, 
 
 @register_primitive()
 class SyncPrimitive(Primitive):
-    """Run a collective or a function on the module's input, output or input gradient.
+    """Run a collective or a function on the module's input, output, input gradient or
+    parameter gradients.
 
-    ``mode`` is ``"fwd_pre"``, ``"fwd_post"`` or ``"bwd_post"``; ``sync_op_or_fn`` a registered op
+    ``mode`` is ``"fwd_pre"``, ``"fwd_post"``, ``"bwd_post"`` or ``"bwd_param"`` (the gradients of
+    the module's own replicated parameters); ``sync_op_or_fn`` a registered op
     name (``slapo.sharding.sync_ops.SYNC_OPS``) or ``fn(tensor, **kwargs) -> tensor``. The older
     modes ``"forward"`` (= ``fwd_post``), ``"backward"`` (= ``bwd_post``) and ``"both"`` (the two)
     are accepted too; with the default op they are Megatron's output and input-gradient
@@ -77,6 +86,7 @@ class SyncPrimitive(Primitive):
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
         >>> sch["0"].sync(mode="fwd_post", sync_op_or_fn=lambda t: t * 2)
         >>> sch["0"].sync(mode="both", sync_op_or_fn=lambda t: t)
+        >>> sch["0"].sync(mode="bwd_param", sync_op_or_fn=lambda g: g * 0.5)  # or "all_reduce"
     """
 
     name = "sync"
@@ -110,6 +120,13 @@ def _register(sch: Schedule, mode: str, op: Callable) -> None:
                 out, lambda t: apply_after_sync(mod, op(t))
             )
         )
+        return
+    if mode == "bwd_param":
+        if not on_param_grads(sch.mod, op):
+            raise PrimitiveError(
+                f'sync(mode="bwd_param") on "{path}" ({type(sch.mod).__name__}): the module has '
+                "no replicated parameter of its own; name the module that holds the parameter"
+            )
         return
 
     def pre_hook(mod: nn.Module, args: tuple, kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -155,6 +172,7 @@ class HookPrimitive(Primitive):
         elif mode == "bwd_post":
             sch.mod.register_full_backward_hook(func)
         else:
+            modes = tuple(_HOOK_MODES.values())  # bwd_param is sync's own
             raise PrimitiveError(
-                f'hook on "{label(sch.path)}": unknown mode "{mode}"; use one of {SYNC_MODES}'
+                f'hook on "{label(sch.path)}": unknown mode "{mode}"; use one of {modes}'
             )

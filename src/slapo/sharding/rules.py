@@ -27,7 +27,7 @@ from ..exceptions import PrimitiveError
 from ..surgery import forward_wraps, is_conv1d, wrap_forward
 from .spec import ShardSpec
 
-__all__ = ["apply_rule", "apply_after_sync", "ORIG_ATTRS"]
+__all__ = ["apply_rule", "apply_after_sync", "is_norm", "ORIG_ATTRS"]
 
 # Original values of the attributes a rule changed, kept for consolidation (which initializes the
 # module at full size) and for export.
@@ -160,7 +160,8 @@ def _norm(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
         _set_attrs(mod, hidden_size=_local(spec))
 
 
-def _is_norm(mod: nn.Module) -> bool:
+def is_norm(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a norm layer (torch's, or a class named ...RMSNorm or ...LayerNorm)."""
     norm_types = (nn.LayerNorm, nn.RMSNorm)
     return isinstance(mod, norm_types) or type(mod).__name__.endswith(("RMSNorm", "LayerNorm"))
 
@@ -175,7 +176,7 @@ def find_rule(mod: nn.Module) -> Rule | None:
         return _convnd
     if is_conv1d(mod):
         return _conv1d
-    if _is_norm(mod):
+    if is_norm(mod):
         return _norm
     return None
 

@@ -1,11 +1,11 @@
-"""The ``sync`` ops: tensor ops that ``sch.sync(...)`` runs on a module's main input or output, or
-on the gradient of its main input.
+"""The ``sync`` ops: tensor ops that ``sch.sync(...)`` runs on a module's main input or output, on
+the gradient of its main input, or on the gradients of its own replicated parameters.
 
 Sharding owns them: importing this module registers the autograd collectives (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``scatter``) and every two-letter reshard spec
 (``"RS->SR"``, ...); :func:`register_sync_op` adds more. The ``sync`` primitive
 (``slapo.primitives.sync``) looks them up here, together with the helpers that find a module's
-main input and output and apply an op to a gradient.
+main input and output and apply an op to a gradient (:func:`on_grad`, :func:`on_param_grads`).
 
 Example:
     >>> from slapo.sharding.sync_ops import SYNC_OPS
@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +30,11 @@ from .spec import get_shard_spec
 
 __all__ = [
     "SYNC_OPS",
+    "PARAM_GRAD_OPS",
     "SyncOp",
+    "install_param_grad_hooks",
     "on_grad",
+    "on_param_grads",
     "primary_input",
     "register_sync_op",
     "replace_primary_output",
@@ -42,6 +46,14 @@ SYNC_OPS: dict[str, SyncOp] = {}
 # The keywords that carry a module's main input when it is called with keywords only (as
 # transformers 5 calls its layers with ``hidden_states=``), most likely first.
 _INPUT_KEYWORDS = ("hidden_states", "input", "x", "inputs_embeds", "input_ids")
+# The ops a replicated parameter's gradient passes through (``on_param_grads``), in order. An
+# attribute of the parameter: ``shard`` and materialization copy a parameter's attributes to the
+# tensor that replaces it, so the ops follow the parameter to whatever object holds it.
+PARAM_GRAD_OPS = "slapo_grad_ops"
+# A weak reference to the parameter object that carries the hook: a copy of the attributes
+# (onto a replacement parameter) then points at another object, and the hook is installed again.
+_HOOKED = "_slapo_grad_ops_hooked"
+_PRE_HOOKED = "_slapo_grad_ops_pre_hook"  # a module attribute: its forward pre-hook is there
 
 
 def register_sync_op(name: str, op: SyncOp, override: bool = False) -> None:
@@ -125,6 +137,69 @@ def on_grad(tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) ->
         tensor([5., 5.])
     """
     return _GradOp.apply(tensor, fn)
+
+
+def on_param_grads(mod: nn.Module, op: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
+    """Pass the gradient of each of ``mod``'s own replicated parameters through ``op`` as backward
+    computes it; returns their names. Sharded parameters are left alone.
+
+    This is how a replicated parameter that consumes sharded activations gets its whole gradient:
+    a norm over each attention head between the column-parallel q/k projections and the
+    row-parallel output sees only this rank's heads, so each rank's gradient is a partial sum and
+    ``op`` is an ``all_reduce`` over the tensor-parallel group. The op runs on each gradient before
+    it is accumulated into ``.grad`` (so gradient accumulation stays right), once per backward
+    however often the parameter was used. The hook is a parameter hook, which ``torch.compile``
+    keeps; a forward pre-hook installs it again on a parameter object that replaced the hooked one
+    (materialization from the meta device, a target that swaps parameters).
+
+    Example:
+        >>> norm = nn.LayerNorm(4)
+        >>> on_param_grads(norm, lambda g: g * 2)
+        ['weight', 'bias']
+        >>> norm(torch.randn(3, 4)).sum().backward()
+        >>> norm.bias.grad
+        tensor([6., 6., 6., 6.])
+    """
+    names = []
+    for name, param in mod.named_parameters(recurse=False):
+        if get_shard_spec(param) is None:
+            setattr(param, PARAM_GRAD_OPS, (*getattr(param, PARAM_GRAD_OPS, ()), op))
+            names.append(name)
+    if names and not getattr(mod, _PRE_HOOKED, False):
+        mod.register_forward_pre_hook(_install_before_forward)
+        setattr(mod, _PRE_HOOKED, True)
+    install_param_grad_hooks(mod)
+    return names
+
+
+def install_param_grad_hooks(mod: nn.Module) -> int:
+    """Hook the gradient of every parameter of ``mod`` (not its children) that carries
+    :data:`PARAM_GRAD_OPS` and is not hooked yet; returns how many were hooked now."""
+    if torch.compiler.is_exporting():  # the traced graph has no parameter hooks to keep
+        return 0
+    count = 0
+    for param in mod.parameters(recurse=False):
+        wanted = getattr(param, PARAM_GRAD_OPS, ()) and param.requires_grad
+        if not wanted or get_shard_spec(param) is not None:  # a slice's gradient is whole
+            continue
+        hooked = getattr(param, _HOOKED, None)
+        if hooked is not None and hooked() is param:
+            continue
+        own = weakref.ref(param)  # the hook must not keep its parameter alive
+        param.register_hook(lambda grad, own=own: _apply_param_grad_ops(own(), grad))
+        setattr(param, _HOOKED, own)
+        count += 1
+    return count
+
+
+def _install_before_forward(mod: nn.Module, args: tuple) -> None:
+    install_param_grad_hooks(mod)  # returns None: the inputs stay as they are
+
+
+def _apply_param_grad_ops(param: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
+    for op in getattr(param, PARAM_GRAD_OPS, ()):
+        grad = op(grad)
+    return grad
 
 
 def sync_group(group: Any, mod: nn.Module, where: str) -> Any:
