@@ -365,14 +365,15 @@ class PipelineTrainStep:
     """
 
     def __init__(self, engine: Any, piped: PipedModel) -> None:
-        # Two methods of DeepSpeed's PipelineEngine (0.19; unchanged since pipelines came in)
-        # split train_batch into the contract's train_step and optimizer.step.
+        # Two methods of DeepSpeed's PipelineEngine split train_batch into the contract's
+        # train_step and optimizer.step: _train_schedule came in 0.19.8 (0.19.0-0.19.7 build the
+        # schedule inside train_batch), hence the project's lower bound.
         missing = [m for m in ("_train_schedule", "_exec_optimizer_step") if not hasattr(engine, m)]
         if missing:
             raise TargetError(
                 f'target "deepspeed": this DeepSpeed\'s PipelineEngine has no {missing}, which '
                 "slapo's train_step and optimizer.step() run; train with engine.train_batch() "
-                "or use DeepSpeed 0.19"
+                "or use DeepSpeed 0.19.8 or newer"
             )
         self.engine = engine
         self.piped = piped
