@@ -1,74 +1,137 @@
-"""Microbatch split / merge of arbitrary argument pytrees.
+"""Microbatch split / merge of arbitrary argument pytrees, and the transfer events between them.
 
 RoundPipe flattens ``(args, kwargs)`` with :mod:`torch.utils._pytree`, splits every batched
 tensor along its batch dimension (views, so autograd reaches the caller's tensors), and
 replicates everything else. Outputs are merged back per leaf position.
+
+Split and merge specs speak :mod:`torch.distributed.pipelining`'s vocabulary: a spec is a pytree
+that mirrors the data (or a prefix of it: one spec leaf covers a whole subtree) whose leaves are
+``TensorChunkSpec(dim)`` (chunk / concatenate along ``dim``), ``_Replicate`` (or ``None``: the
+same value for every microbatch) and, for merging only, reducers (``sum_reducer``,
+:data:`avg_reducer`). Split specs also take a plain ``int`` for ``TensorChunkSpec(int)``.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.distributed.pipelining.microbatch import (
+    TensorChunkSpec,
+    _CustomReducer,
+    _Replicate,
+    sum_reducer,
+)
 
-from .run_config import FullRoundPipeRunConfig
+from .threads import RunState, wait_event
+
+if TYPE_CHECKING:
+    from .run_config import FullRoundPipeRunConfig
 
 __all__ = [
     "AvgReducer",
     "Batch",
+    "MicrobatchSplitError",
     "RoundPipePackedData",
     "TensorChunkSpec",
     "avg_reducer",
+    "check_spec",
     "guess_split_spec",
+    "is_spec",
     "merge_microbatches",
+    "pack_microbatches",
     "split_by_spec",
+    "sum_reducer",
+    "wait_transfer_event",
 ]
-
-
-class TensorChunkSpec:
-    """Split spec leaf: chunk a tensor along ``split_dim``."""
-
-    def __init__(self, split_dim: int) -> None:
-        self.split_dim = split_dim
-
-    def __repr__(self) -> str:
-        return f"TensorChunkSpec({self.split_dim})"
-
-
-class _Replicate:
-    """Split spec leaf: give the same value to every microbatch."""
-
-    def __repr__(self) -> str:
-        return "Replicate"
-
 
 REPLICATE = _Replicate()
 
 
-class RoundPipePackedData(list):
-    """Per-microbatch outputs kept apart so the next RoundPipe model can consume them directly.
+class MicrobatchSplitError(TypeError, AssertionError):
+    """A custom ``split_input`` / ``split_label`` callable returned a malformed structure.
 
-    Returned by ``forward`` when ``merge_output=False``; passing it as an argument of
-    another RoundPipe model reuses the same microbatches (and keeps autograd links).
+    A ``TypeError``; also an ``AssertionError``, the error seed 004 names for this case.
+    """
+
+
+# -- transfer events --------------------------------------------------------------------------
+def _check_event(event: Any, what: str) -> None:
+    """Events are waited on by :func:`wait_transfer_event`: anything else is refused early."""
+    if event is None or isinstance(event, threading.Event):
+        return
+    if not callable(getattr(event, "synchronize", None)):
+        raise TypeError(
+            f"{what} must be None or an event with synchronize() (a CUDA / torch event, a "
+            f"roundpipe CopyEvent) or a threading.Event, got {type(event).__name__}"
+        )
+
+
+def wait_transfer_event(
+    event: Any, what: str = "a transfer", state: RunState | None = None
+) -> None:
+    """Block until ``event`` completed; ``None`` is an event that already did.
+
+    ``event`` is a CUDA / torch event or a :class:`~roundpipe.link.CopyEvent` (its
+    ``synchronize()`` is called) or a ``threading.Event`` (waited on, aborting when ``state``
+    reports a failure elsewhere).
+
+    Example:
+        >>> ev = threading.Event(); ev.set(); wait_transfer_event(ev)
+        >>> wait_transfer_event(None)
+    """
+    if event is None:
+        return
+    if isinstance(event, threading.Event):
+        wait_event(event, what, state=state)
+        return
+    event.synchronize()
+
+
+class RoundPipePackedData(list):
+    """Per-microbatch values kept apart so the next RoundPipe model can consume them directly.
+
+    Returned (one per output leaf) by ``forward`` when ``merge_output=False``; passing it as an
+    argument of another RoundPipe model reuses the same microbatches (and keeps autograd links).
+    ``transfer_event[m]`` is ``(forward_event, backward_event)`` for microbatch ``m`` (or
+    ``None``: nothing to wait for): the consumer's forward waits on ``forward_event`` before it
+    reads the value, its backward (which reads the value again to recompute) on
+    ``backward_event``.
 
     Example:
         >>> packed = RoundPipePackedData([torch.ones(2), torch.zeros(2)], [None, None])
-        >>> len(packed)
-        2
+        >>> len(packed), packed.transfer_event
+        (2, [(None, None), (None, None)])
     """
 
     def __init__(self, data: list[Any], transfer_event: list[Any]) -> None:
         super().__init__(data)
-        self.transfer_event = transfer_event
+        if not isinstance(transfer_event, (list, tuple)) or len(transfer_event) != len(self):
+            raise ValueError(
+                f"transfer_event must be a list with one (forward_event, backward_event) per "
+                f"microbatch ({len(self)}), got {transfer_event!r}"
+            )
+        events: list[tuple[Any, Any]] = []
+        for m, ev in enumerate(transfer_event):
+            pair = (None, None) if ev is None else ev
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                raise TypeError(
+                    f"transfer_event[{m}] must be None or a (forward_event, backward_event) "
+                    f"pair, got {ev!r}"
+                )
+            for e, kind in zip(pair, ("forward", "backward")):
+                _check_event(e, f"transfer_event[{m}]'s {kind} event")
+            events.append((pair[0], pair[1]))
+        self.transfer_event: list[tuple[Any, Any]] = events
 
     def synchronize(self) -> None:
-        """Block until every microbatch's data has reached the host."""
-        for ev in self.transfer_event:
-            if ev is not None:
-                ev[0].synchronize() if isinstance(ev, tuple) else ev.synchronize()
+        """Block until every microbatch's data has reached the host (its forward events)."""
+        for fwd, _ in self.transfer_event:
+            wait_transfer_event(fwd, "packed data on the host")
 
 
 # a packed value is one leaf (not a list node) when flattening arguments
@@ -76,24 +139,144 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, RoundPipePackedData)
 
 
+# -- specs ------------------------------------------------------------------------------------
+def _is_spec_leaf(x: Any, for_merge: bool = False) -> bool:
+    """Whether ``x`` is a spec leaf (merge specs add reducers and take no plain ints)."""
+    if x is None or x is _Replicate or isinstance(x, (TensorChunkSpec, _Replicate)):
+        return True
+    if for_merge:
+        return isinstance(x, _CustomReducer)
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_spec(spec: Any, name: str, for_merge: bool = False) -> None:
+    """Raise ``TypeError`` unless every leaf of ``spec`` is a valid spec leaf.
+
+    Example:
+        >>> check_spec(((TensorChunkSpec(0), None), {"mask": 1}), "split_input")
+        >>> check_spec({"loss": sum_reducer, "logits": TensorChunkSpec(0)}, "merge_output", True)
+        >>> check_spec(("cat",), "merge_output", True)
+        Traceback (most recent call last):
+        ...
+        TypeError: merge_output: a spec leaf must be TensorChunkSpec, _Replicate, None or a reducer (sum_reducer, avg_reducer), got 'cat'
+    """
+    leaves = pytree.tree_leaves(spec, is_leaf=lambda x: _is_spec_leaf(x, for_merge))
+    allowed = "TensorChunkSpec, _Replicate, None or a reducer (sum_reducer, avg_reducer)"
+    if not for_merge:
+        allowed = "TensorChunkSpec, _Replicate, None or an int (the split dim)"
+    for leaf in leaves:
+        if not _is_spec_leaf(leaf, for_merge):
+            raise TypeError(f"{name}: a spec leaf must be {allowed}, got {leaf!r}")
+
+
+def is_spec(value: Any, for_merge: bool = False) -> bool:
+    """Whether ``value`` is a spec (not a callable split / merge function).
+
+    ``_Replicate`` is a class, hence callable: it is still a spec.
+
+    Example:
+        >>> is_spec(_Replicate), is_spec((0, None)), is_spec(lambda args, kwargs, n: [])
+        (True, True, False)
+    """
+    return _is_spec_leaf(value, for_merge) or not callable(value)
+
+
+def _num_leaves(data: Any) -> int:
+    return len(pytree.tree_leaves(data, is_leaf=_is_leaf))
+
+
+def _broadcast_spec(spec: Any, data: Any, name: str, for_merge: bool, path: str = "") -> list[Any]:
+    """One spec entry per leaf of ``data``: ``spec`` mirrors ``data`` or a prefix of it (a spec
+    leaf covers the whole subtree below it), in ``data``'s own leaf order."""
+    where = path or "the top level"
+    if _is_spec_leaf(spec, for_merge):
+        return [spec] * _num_leaves(data)
+    if _is_leaf(data) or pytree.tree_structure(data, is_leaf=_is_leaf).is_leaf():
+        raise ValueError(
+            f"{name}: the spec has a {type(spec).__name__} at {where} where the data has a "
+            f"{type(data).__name__}; the spec must mirror the data structure"
+        )
+    out: list[Any] = []
+    if isinstance(spec, Mapping) and isinstance(data, Mapping):
+        if set(spec) != set(data):
+            raise ValueError(
+                f"{name}: the spec's keys at {where} are {sorted(map(str, spec))} but the data's "
+                f"are {sorted(map(str, data))}"
+            )
+        for k in data:  # pytree's leaf order: the data's key order
+            out += _broadcast_spec(spec[k], data[k], name, for_merge, f"{path}[{k!r}]")
+        return out
+    if isinstance(spec, (list, tuple)) and isinstance(data, (list, tuple)):
+        if len(spec) != len(data):
+            raise ValueError(
+                f"{name}: the spec has {len(spec)} entries at {where} but the data has "
+                f"{len(data)}; the spec must mirror the data structure"
+            )
+        for i, (s, d) in enumerate(zip(spec, data)):
+            out += _broadcast_spec(s, d, name, for_merge, f"{path}[{i}]")
+        return out
+    node = pytree.SUPPORTED_NODES.get(type(data))
+    if node is not None and type(spec) is type(data):  # other registered containers
+        s_children, s_ctx = node.flatten_fn(spec)
+        d_children, d_ctx = node.flatten_fn(data)
+        if s_ctx == d_ctx and len(s_children) == len(d_children):
+            for i, (s, d) in enumerate(zip(s_children, d_children)):
+                out += _broadcast_spec(s, d, name, for_merge, f"{path}.<{i}>")
+            return out
+    raise ValueError(
+        f"{name}: the spec has a {type(spec).__name__} at {where} where the data has a "
+        f"{type(data).__name__}; the spec must mirror the data structure"
+    )
+
+
+def _normalize_split_leaf(s: Any) -> Any:
+    if s is None or s is _Replicate or isinstance(s, _Replicate):
+        return REPLICATE
+    if isinstance(s, int):
+        return TensorChunkSpec(s)
+    return s
+
+
+def _spec_from_user(spec: Any, data: Any, name: str) -> list[Any]:
+    """Flatten a user split spec to one ``TensorChunkSpec`` / ``_Replicate`` per data leaf."""
+    check_spec(spec, name)
+    return [_normalize_split_leaf(s) for s in _broadcast_spec(spec, data, name, for_merge=False)]
+
+
+def _packed_rows(packed: Sequence[RoundPipePackedData]) -> list[int] | None:
+    """Batch rows of each microbatch of packed data: dim 0 of its first batched tensor leaf."""
+    for p in packed:
+        if all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in p):
+            return [t.shape[0] for t in p]
+    return None
+
+
 def guess_split_spec(data: Any, expected_batchsize: int | None = None) -> tuple[Any, int | None]:
     """Infer a split spec for ``data``: tensors with the batch size on dim 0 are chunked.
 
-    The batch size is ``expected_batchsize`` or the most common dim-0 size among tensors.
+    The batch size is ``expected_batchsize``, else the total rows of packed inputs
+    (:class:`RoundPipePackedData`, already split: chunked as they are), else the most common
+    dim-0 size among tensors. Other tensors and non-tensors are replicated.
 
     Example:
         >>> spec, bs = guess_split_spec((torch.ones(4, 3), torch.ones(7), "x"))
-        >>> bs, spec
-        (4, (TensorChunkSpec(0), Replicate, Replicate))
+        >>> bs, [type(s).__name__ for s in spec]
+        (4, ['TensorChunkSpec', '_Replicate', '_Replicate'])
     """
     leaves, treespec = pytree.tree_flatten(data, is_leaf=_is_leaf)
     sizes = [t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.ndim > 0]
     bs = expected_batchsize
+    if bs is None:
+        rows = _packed_rows([x for x in leaves if isinstance(x, RoundPipePackedData)])
+        if rows is not None:
+            bs = sum(rows)
+            sizes.append(bs)
     if bs is None and sizes:
         bs = collections.Counter(sizes).most_common(1)[0][0]
     spec_leaves = [
         TensorChunkSpec(0)
-        if isinstance(t, torch.Tensor) and t.ndim > 0 and bs is not None and t.shape[0] == bs
+        if isinstance(t, RoundPipePackedData)
+        or (isinstance(t, torch.Tensor) and t.ndim > 0 and bs is not None and t.shape[0] == bs)
         else REPLICATE
         for t in leaves
     ]
@@ -102,55 +285,50 @@ def guess_split_spec(data: Any, expected_batchsize: int | None = None) -> tuple[
     return pytree.tree_unflatten(spec_leaves, treespec), bs
 
 
-def _spec_from_user(spec: Any, data: Any, name: str) -> list[Any]:
-    """Flatten a user spec (ints / None / TensorChunkSpec) to match ``data``'s leaves."""
-    data_leaves, data_spec = pytree.tree_flatten(data, is_leaf=_is_leaf)
-    spec_leaves, spec_spec = pytree.tree_flatten(
-        spec, is_leaf=lambda x: x is None or isinstance(x, (int, TensorChunkSpec, _Replicate))
-    )
-    if len(spec_leaves) != len(data_leaves):
-        raise ValueError(
-            f"{name} has {len(spec_leaves)} leaves but the data has {len(data_leaves)}; "
-            f"the spec must mirror the data structure ({data_spec})"
-        )
-    out = []
-    for s in spec_leaves:
-        if s is None or isinstance(s, _Replicate):
-            out.append(REPLICATE)
-        elif isinstance(s, TensorChunkSpec):
-            out.append(s)
-        elif isinstance(s, int) and not isinstance(s, bool):
-            out.append(TensorChunkSpec(s))
-        else:
-            raise ValueError(f"{name}: spec leaves must be int, None or TensorChunkSpec, got {s!r}")
-    return out
+def _split_spec_leaves(spec: Any) -> list[Any]:
+    return pytree.tree_leaves(spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate)))
 
 
-def split_by_spec(data: Any, spec_leaves: list[Any], n: int) -> list[Any]:
+def split_by_spec(
+    data: Any, spec_leaves: list[Any], n: int, rows: Sequence[int] | None = None
+) -> list[Any]:
     """Split ``data`` into ``n`` pytrees following flattened ``spec_leaves``.
+
+    Packed leaves hand out their own microbatches. ``rows`` (the batch rows of each
+    microbatch, e.g. those of packed inputs) sets the chunk sizes of tensors split on dim 0
+    whose size is their sum, so they line up with the packed microbatches.
 
     Example:
         >>> [t.tolist() for t in split_by_spec(torch.arange(4), [TensorChunkSpec(0)], 2)]
         [[0, 1], [2, 3]]
+        >>> [t.tolist() for t in split_by_spec(torch.arange(4), [TensorChunkSpec(0)], 2, [3, 1])]
+        [[0, 1, 2], [3]]
     """
     leaves, treespec = pytree.tree_flatten(data, is_leaf=_is_leaf)
     per_mb: list[list[Any]] = [[] for _ in range(n)]
     for leaf, s in zip(leaves, spec_leaves):
-        if isinstance(s, TensorChunkSpec):
-            if not isinstance(leaf, torch.Tensor):
-                raise ValueError(f"cannot split non-tensor {type(leaf).__name__} with {s}")
-            if leaf.shape[s.split_dim] < n:
-                raise ValueError(
-                    f"cannot split a tensor with size {leaf.shape[s.split_dim]} on dim "
-                    f"{s.split_dim} into {n} microbatches"
-                )
-            for i, chunk in enumerate(torch.tensor_split(leaf, n, dim=s.split_dim)):
-                per_mb[i].append(chunk)
-        elif isinstance(leaf, RoundPipePackedData):
+        if isinstance(leaf, RoundPipePackedData):
             if len(leaf) != n:
                 raise ValueError(f"packed data has {len(leaf)} microbatches but {n} are in use")
             for i in range(n):
                 per_mb[i].append(leaf[i])
+        elif isinstance(s, TensorChunkSpec):
+            if not isinstance(leaf, torch.Tensor):
+                raise ValueError(f"cannot split non-tensor {type(leaf).__name__} with {s}")
+            dim = s.split_dim
+            if leaf.ndim == 0 or not -leaf.ndim <= dim < leaf.ndim:
+                raise ValueError(f"cannot split a tensor of shape {tuple(leaf.shape)} with {s}")
+            if leaf.shape[dim] < n:
+                raise ValueError(
+                    f"cannot split a tensor with size {leaf.shape[dim]} on dim "
+                    f"{dim} into {n} microbatches"
+                )
+            if rows is not None and dim in (0, -leaf.ndim) and leaf.shape[0] == sum(rows):
+                chunks = torch.split(leaf, list(rows), dim=0)
+            else:
+                chunks = torch.tensor_split(leaf, n, dim=dim)
+            for i, chunk in enumerate(chunks):
+                per_mb[i].append(chunk)
         else:
             for i in range(n):
                 per_mb[i].append(leaf)
@@ -162,28 +340,32 @@ def _split(
 ) -> tuple[list[Any], int, str | None, list[int] | None]:
     """Split ``data``; returns (microbatches, actual count, why it differs from ``n_wanted``,
     batch rows per microbatch or None when unknown)."""
-    if callable(user_spec):
-        return [], -1, None, None  # handled by caller
     leaves = pytree.tree_leaves(data, is_leaf=_is_leaf)
     packed = [x for x in leaves if isinstance(x, RoundPipePackedData)]
     n = n_wanted
     reason = None
+    packed_rows = None
     if packed:
         n = len(packed[0])
+        if any(len(p) != n for p in packed):
+            raise ValueError(
+                f"packed inputs hold different numbers of microbatches: {[len(p) for p in packed]}"
+            )
         reason = f"the packed input holds {n} microbatches"
+        packed_rows = _packed_rows(packed)
     if user_spec is None:
+        if expected_bs is None and packed_rows is not None:
+            expected_bs = sum(packed_rows)
         spec, bs = guess_split_spec(data, expected_bs)
-        spec_leaves = pytree.tree_flatten(
-            spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate))
-        )[0]
+        spec_leaves = _split_spec_leaves(spec)
         if bs is None and not packed:
             n, reason = 1, "no input tensor has a batch dimension"
         elif bs is not None and not packed and bs < n:
             n, reason = bs, f"the batch has only {bs} rows"
     else:
         spec_leaves = _spec_from_user(user_spec, data, name)
-    mbs = split_by_spec(data, spec_leaves, n)
-    rows = None if packed else _rows(mbs, spec_leaves)
+    mbs = split_by_spec(data, spec_leaves, n, packed_rows)
+    rows = packed_rows if packed else _rows(mbs, spec_leaves)
     return mbs, n, (reason if n != n_wanted else None), rows
 
 
@@ -198,8 +380,49 @@ def _rows(mbs: list[Any], spec_leaves: list[Any]) -> list[int] | None:
     return None
 
 
-class AvgReducer:
+def _custom_split_input(args: tuple, kwargs: dict[str, Any], fn: Callable, n: int) -> list[Any]:
+    """Call a ``split_input`` function; it returns ``(args_list, kwargs_list)`` (one entry per
+    microbatch in each) or a list of ``(args, kwargs)`` pairs."""
+    out = fn(args, kwargs, n)
+    if (  # (args_list, kwargs_list): the kwargs side is a sequence of dicts, never one dict
+        isinstance(out, (list, tuple))
+        and len(out) == 2
+        and isinstance(out[0], (list, tuple))
+        and isinstance(out[1], (list, tuple))
+        and all(isinstance(k, Mapping) for k in out[1])
+    ):
+        args_list, kwargs_list = out
+        if len(args_list) != len(kwargs_list) or not args_list:
+            raise MicrobatchSplitError(
+                f"split_input returned {len(args_list)} args and {len(kwargs_list)} kwargs "
+                "entries: (args_list, kwargs_list) needs one of each per microbatch (at least 1)"
+            )
+        pairs = list(zip(args_list, kwargs_list))
+    elif (
+        isinstance(out, (list, tuple))
+        and out
+        and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in out)
+    ):
+        pairs = [tuple(p) for p in out]
+    else:
+        raise MicrobatchSplitError(
+            "split_input must return (args_list, kwargs_list) or a non-empty list of "
+            f"(args, kwargs) pairs, got {type(out).__name__}: {out!r:.200}"
+        )
+    for m, (a, k) in enumerate(pairs):
+        if not isinstance(a, (list, tuple)) or not isinstance(k, Mapping):
+            raise MicrobatchSplitError(
+                f"split_input: microbatch {m} must be (tuple of args, dict of kwargs), got "
+                f"({type(a).__name__}, {type(k).__name__})"
+            )
+    return [(tuple(a), dict(k)) for a, k in pairs]
+
+
+# -- merging ----------------------------------------------------------------------------------
+class AvgReducer(_CustomReducer):
     """Running average of scalar losses across microbatches (one reduction at a time).
+
+    A ``torch.distributed.pipelining`` reducer: usable as a merge spec leaf.
 
     Example:
         >>> r = AvgReducer(); v = r.reduce(None, torch.tensor(1.0)); r.reduce(v, torch.tensor(3.0))
@@ -207,69 +430,167 @@ class AvgReducer:
     """
 
     def __init__(self) -> None:
+        super().__init__(None, self.reduce)
         self.sum: torch.Tensor | None = None
         self.count = 0
+        self._last: torch.Tensor | None = None
 
     def reduce(self, reduced_val: torch.Tensor | None, new_val: torch.Tensor) -> torch.Tensor:
-        """Fold ``new_val`` into the average; ``reduced_val=None`` starts a new reduction."""
+        """Fold ``new_val`` into the average; ``reduced_val=None`` starts a new reduction.
+
+        Raises:
+            AssertionError: ``reduced_val`` is not what this reducer returned last, i.e. two
+                reductions use the same instance at the same time.
+        """
         if reduced_val is None:
             self.sum, self.count = None, 0
-        elif self.sum is None:
+        elif reduced_val is not self._last or self.sum is None:
             raise AssertionError("AvgReducer used by two reductions at the same time")
-        self.sum = new_val.detach().clone() if self.sum is None else self.sum + new_val.detach()
+        # no detach: a merged loss stays differentiable
+        self.sum = new_val if self.sum is None else self.sum + new_val
         self.count += 1
-        return self.sum / self.count
+        self._last = self.sum / self.count
+        return self._last
 
 
 avg_reducer = AvgReducer()
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
+        )
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - e.g. arrays: compare by identity
+        return a is b
+
+
+def _auto_merge(vals: list[Any], weights: list[float] | None) -> Any:
+    """Default merge of one leaf's per-microbatch values."""
+    v0 = vals[0]
+    if isinstance(v0, torch.Tensor):
+        if v0.ndim > 0:
+            return torch.cat(vals, 0)
+        if v0.dtype == torch.bool:  # a flag per microbatch: no reduction fits every flag
+            return torch.stack(vals)
+        if not (v0.is_floating_point() or v0.is_complex()):  # a count: counts add up
+            return torch.stack(vals).sum(0)
+        if weights is None:
+            return torch.stack(vals).mean(0)
+        w = torch.tensor(weights, dtype=v0.dtype, device=v0.device)
+        return (torch.stack(vals) * w).sum(0) / w.sum()
+    # plain Python values (ints, floats, strings, ...): kept once when every microbatch
+    # agrees (pipelining's replicate rule), else the per-microbatch list
+    if all(_same(v, v0) for v in vals[1:]):
+        return v0
+    return list(vals)
+
+
+def _spec_merge(vals: list[Any], spec: Any, path: int) -> Any:
+    if isinstance(spec, TensorChunkSpec):
+        if not all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in vals):
+            raise ValueError(f"merge_output: output leaf {path} is not a batched tensor: {spec}")
+        return torch.cat(vals, spec.split_dim)
+    if isinstance(spec, _CustomReducer):
+        acc = spec.init_value
+        for v in vals:
+            acc = spec.reduce_fn(acc, v)
+        return acc
+    # replicate: every microbatch must give the same value
+    for m, v in enumerate(vals[1:], 1):
+        if not _same(v, vals[0]):
+            raise ValueError(
+                f"merge_output: output leaf {path} is replicated but microbatch {m} differs "
+                "from microbatch 0"
+            )
+    return vals[0]
 
 
 def merge_microbatches(
     outputs: Sequence[Any],
     device: torch.device | None = None,
     rows: Sequence[int] | None = None,
+    spec: Any = None,
 ) -> Any:
     """Merge per-microbatch outputs leaf by leaf.
 
-    Tensors with a batch dim are concatenated on dim 0 (differentiably), scalars averaged,
-    equal non-tensors kept once, differing ones returned as a list. ``rows`` (the batch rows of
-    each microbatch) weights the average when microbatches differ in size, so a mean loss per
-    microbatch merges into the mean over the whole batch.
+    Without ``spec``: tensors with a batch dim are concatenated on dim 0 (differentiably);
+    floating scalars averaged (weighted by ``rows``, the batch rows of each microbatch, when
+    microbatches differ in size, so a mean loss per microbatch merges into the mean over the
+    whole batch); integer scalars summed (counts); bool scalars stacked (one flag per
+    microbatch); equal non-tensors kept once, differing ones returned as a list.
+
+    ``spec`` (a merge spec mirroring the output, or a prefix of it) overrides that per leaf:
+    ``TensorChunkSpec(d)`` concatenates on ``d``, a reducer (``sum_reducer``,
+    :data:`avg_reducer`) folds the values, ``_Replicate`` / ``None`` keeps a value every
+    microbatch agrees on.
 
     Example:
         >>> merge_microbatches([(torch.ones(1), 2), (torch.zeros(1), 2)])
         (tensor([1., 0.]), 2)
         >>> merge_microbatches([torch.tensor(1.0), torch.tensor(4.0)], rows=[2, 1])
         tensor(2.)
+        >>> merge_microbatches([torch.tensor(3), torch.tensor(4)])
+        tensor(7)
+        >>> merge_microbatches([torch.ones(2, 1), torch.ones(2, 1)], spec=TensorChunkSpec(1)).shape
+        torch.Size([2, 2])
     """
+    if not outputs:
+        raise ValueError("merge_microbatches needs at least one microbatch output")
     if rows is not None and len(rows) != len(outputs):
         raise ValueError(f"rows has {len(rows)} entries for {len(outputs)} microbatches")
     # equal sizes keep the plain mean (bit for bit what an unweighted merge gives)
     weights = None if rows is None or len(set(rows)) <= 1 else [float(r) for r in rows]
     flat = [pytree.tree_flatten(o) for o in outputs]
-    spec = flat[0][1]
+    treespec = flat[0][1]
     for _, s in flat[1:]:
-        if s != spec:
+        if s != treespec:
             raise ValueError(
                 "microbatch outputs have different structures; pass merge_output=callable"
             )
+    spec_leaves = None
+    if spec is not None:
+        check_spec(spec, "merge_output", for_merge=True)
+        spec_leaves = _broadcast_spec(spec, outputs[0], "merge_output", for_merge=True)
     merged = []
     for i in range(len(flat[0][0])):
         vals = [f[0][i] for f in flat]
-        if isinstance(vals[0], torch.Tensor):
-            if vals[0].ndim > 0:
-                out = torch.cat(vals, 0)
-            elif weights is None or not (vals[0].is_floating_point() or vals[0].is_complex()):
-                out = torch.stack(vals).mean(0)
-            else:
-                w = torch.tensor(weights, dtype=vals[0].dtype, device=vals[0].device)
-                out = (torch.stack(vals) * w).sum(0) / w.sum()
-            merged.append(out.to(device) if device is not None else out)
-        elif all(v == vals[0] for v in vals[1:]):
-            merged.append(vals[0])
+        if spec_leaves is None:
+            out = _auto_merge(vals, weights)
         else:
-            merged.append(list(vals))
-    return pytree.tree_unflatten(merged, spec)
+            out = _spec_merge(vals, spec_leaves[i], i)
+        if device is not None and isinstance(out, torch.Tensor):
+            out = out.to(device)
+        merged.append(out)
+    return pytree.tree_unflatten(merged, treespec)
+
+
+def pack_microbatches(outputs: Sequence[Any], transfer_event: list[Any]) -> Any:
+    """The output pytree with, at each leaf, that leaf's per-microbatch values packed.
+
+    Example:
+        >>> packed = pack_microbatches([(torch.zeros(1), "a"), (torch.ones(1), "b")], [None] * 2)
+        >>> [type(p).__name__ for p in packed], list(packed[1])
+        (['RoundPipePackedData', 'RoundPipePackedData'], ['a', 'b'])
+    """
+    flat = [pytree.tree_flatten(o, is_leaf=_is_leaf) for o in outputs]
+    treespec = flat[0][1]
+    for m, (_, s) in enumerate(flat[1:], 1):
+        if s != treespec:
+            raise ValueError(
+                f"merge_output=False: microbatch {m}'s output structure differs from microbatch "
+                f"0's ({s} vs {treespec}); it cannot be packed leaf by leaf"
+            )
+    packed = [
+        RoundPipePackedData([f[0][i] for f in flat], list(transfer_event))
+        for i in range(treespec.num_leaves)
+    ]
+    return pytree.tree_unflatten(packed, treespec)
 
 
 class Batch:
@@ -280,8 +601,14 @@ class Batch:
     ``num_microbatch`` is the count actually made: fewer than configured when the batch has fewer
     rows (``count_mismatch`` then says why).
 
+    ``forward_events[m]`` / ``backward_events[m]`` are the transfer events of packed inputs
+    (:class:`RoundPipePackedData`) for microbatch ``m``: the first forward stage waits on the
+    former before it reads the microbatch, the first backward stage on the latter before it
+    reads it again. ``output_events[m]`` is the ``(forward, backward)`` pair the last forward
+    stage recorded once microbatch ``m``'s outputs were on the host (``None`` until then).
+
     Example:
-        >>> from roundpipe.run_config import RoundPipeRunConfig
+        >>> from roundpipe.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
         >>> cfg = FullRoundPipeRunConfig(RoundPipeRunConfig(num_microbatch=4), RoundPipeRunConfig())
         >>> b = Batch((torch.ones(2, 3),), {}, cfg)
         >>> b.num_microbatch, b.count_mismatch
@@ -296,22 +623,14 @@ class Batch:
         label: Any = None,
     ) -> None:
         n = run_config.num_microbatch
-        if callable(run_config.split_input):
-            mbs = run_config.split_input(args, kwargs, n)
-            if (
-                not isinstance(mbs, (list, tuple))
-                or not mbs
-                or not all(isinstance(m, (list, tuple)) and len(m) == 2 for m in mbs)
-            ):
-                raise AssertionError(
-                    "split_input callable must return a non-empty list of (args, kwargs)"
-                )
-            mbs = [(tuple(a), dict(k)) for a, k in mbs]
+        split_input = run_config.split_input
+        if not is_spec(split_input):
+            mbs = _custom_split_input(tuple(args), dict(kwargs), split_input, n)
             reason = f"split_input returned {len(mbs)} parts" if len(mbs) != n else None
             rows = None
         else:
             mbs, _, reason, rows = _split(
-                (tuple(args), dict(kwargs)), run_config.split_input, n, "split_input", None
+                (tuple(args), dict(kwargs)), split_input, n, "split_input", None
             )
         self.num_microbatch: int = len(mbs)
         # why fewer (or more) microbatches than run_config.num_microbatch were made; None if equal
@@ -323,26 +642,54 @@ class Batch:
         self.flatten_specs: list[Any] = [f[1] for f in flat]
         self.label_list: list[Any] = self._split_label(label, run_config.split_label)
         self.loss_list: list[Any] = [None] * self.num_microbatch
-        self.forward_events: list[Any] = [None] * self.num_microbatch
-        self.backward_events: list[Any] = [None] * self.num_microbatch
+        self.forward_events: list[list[Any]] = [[] for _ in range(self.num_microbatch)]
+        self.backward_events: list[list[Any]] = [[] for _ in range(self.num_microbatch)]
+        packed = [
+            x
+            for x in pytree.tree_leaves((tuple(args), dict(kwargs)), is_leaf=_is_leaf)
+            if isinstance(x, RoundPipePackedData)
+        ]
+        if packed and self.num_microbatch != len(packed[0]):
+            raise MicrobatchSplitError(
+                f"split_input made {self.num_microbatch} microbatches but the packed input "
+                f"holds {len(packed[0])}"
+            )
+        for p in packed:
+            for m, (fwd, bwd) in enumerate(p.transfer_event):
+                if fwd is not None:
+                    self.forward_events[m].append(fwd)
+                if bwd is not None:
+                    self.backward_events[m].append(bwd)
+        self.output_events: list[tuple[Any, Any] | None] = [None] * self.num_microbatch
 
     def _split_label(self, label: Any, split_label: Any) -> list[Any]:
         n = self.num_microbatch
         if label is None:
             return [None] * n
-        if callable(split_label):
-            out = list(split_label(label, n))
-            if len(out) != n:
-                raise AssertionError(f"split_label returned {len(out)} parts, expected {n}")
-            return out
+        if not is_spec(split_label):
+            out = split_label(label, n)
+            if not isinstance(out, (list, tuple)) or len(out) != n:
+                got = f"{len(out)} parts" if isinstance(out, (list, tuple)) else repr(out)[:200]
+                raise MicrobatchSplitError(
+                    f"split_label must return a list of {n} labels (one per microbatch), got {got}"
+                )
+            return list(out)
         if split_label is None:
             spec, _ = guess_split_spec(label, None)
-            spec_leaves = pytree.tree_flatten(
-                spec, is_leaf=lambda x: isinstance(x, (TensorChunkSpec, _Replicate))
-            )[0]
+            spec_leaves = _split_spec_leaves(spec)
         else:
             spec_leaves = _spec_from_user(split_label, label, "split_label")
-        return split_by_spec(label, spec_leaves, n)
+        return split_by_spec(label, spec_leaves, n, self.microbatch_rows)
+
+    def wait_forward_events(self, m: int, state: RunState | None = None) -> None:
+        """Block until microbatch ``m``'s packed inputs are on the host."""
+        for ev in self.forward_events[m]:
+            wait_transfer_event(ev, f"packed input of microbatch {m}", state)
+
+    def wait_backward_events(self, m: int, state: RunState | None = None) -> None:
+        """Block until microbatch ``m``'s packed inputs may be read by the backward."""
+        for ev in self.backward_events[m]:
+            wait_transfer_event(ev, f"packed input of microbatch {m} (backward)", state)
 
     def outputs(self) -> list[Any]:
         """Per-microbatch output pytrees (valid after the last forward stage)."""
@@ -351,17 +698,25 @@ class Batch:
         ]
 
     def dump(self, run_config: FullRoundPipeRunConfig, outputs: list[Any] | None = None) -> Any:
-        """Merge microbatch outputs, or pack them when ``merge_output`` is False."""
+        """Merge microbatch outputs, or pack them per output leaf when ``merge_output`` is False.
+
+        Merging first waits for the outputs' transfer events (:attr:`output_events`); packing
+        hands them on in each :class:`RoundPipePackedData` instead.
+        """
         outs = self.outputs() if outputs is None else outputs
-        merge: bool | Callable = run_config.merge_output
+        merge: Any = run_config.merge_output
+        events = [ev if ev is not None else (None, None) for ev in self.output_events]
         if merge is False:
-            return RoundPipePackedData(outs, list(self.forward_events))
-        if callable(merge) and not isinstance(merge, bool):
+            return pack_microbatches(outs, events)
+        for fwd, _ in events:
+            wait_transfer_event(fwd, "microbatch outputs on the host")
+        if not is_spec(merge, for_merge=True) and not isinstance(merge, bool):
             return merge(outs)
-        if len(outs) == 1:
-            leaves, spec = pytree.tree_flatten(outs[0])
-            dev = run_config.output_device
+        dev = run_config.output_device
+        spec = None if merge is True or merge is None else merge
+        if len(outs) == 1 and spec is None:
+            leaves, treespec = pytree.tree_flatten(outs[0])
             return pytree.tree_unflatten(
-                [x.to(dev) if isinstance(x, torch.Tensor) else x for x in leaves], spec
+                [x.to(dev) if isinstance(x, torch.Tensor) else x for x in leaves], treespec
             )
-        return merge_microbatches(outs, run_config.output_device, self.microbatch_rows)
+        return merge_microbatches(outs, dev, self.microbatch_rows, spec)

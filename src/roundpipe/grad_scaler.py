@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from .optim_stream import launch_optim_kernel, on_optim_stream, synchronize_optim
+from .optim_stream import (
+    launch_optim_kernel,
+    on_optim_stream,
+    raise_pending_error,
+    synchronize_optim,
+)
 from .threads import AnnotatedEvent
 
 __all__ = ["GradScaler", "snapshot_scalers"]
@@ -98,14 +103,35 @@ class GradScaler:
             f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}"
         )
 
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """Update the scale after a step (queued on the optimizer thread behind the step)."""
+    def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
+        """Update the scale after a step, from the main thread.
+
+        The update is queued on the optimizer thread behind the step it follows: a skipped
+        (overflowing) step multiplies the scale by ``backoff_factor``, ``growth_interval``
+        unskipped steps in a row multiply it by ``growth_factor``; ``new_scale`` sets it
+        instead. ``is_async=True`` returns at once (the next iteration may still scale with the
+        previous value, as ``model.step``'s asynchronous mode does with parameters);
+        ``is_async=False`` returns once the new scale is in place (``get_scale()`` shows it).
+
+        Example:
+            >>> scaler = GradScaler(init_scale=2.0 ** 8)
+            >>> scaler.update(new_scale=2.0 ** 10, is_async=False)
+            >>> scaler.get_scale()
+            1024.0
+        """
+        if not isinstance(is_async, bool):
+            raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         if not self.enabled:
             return
-        if new_scale is not None and not isinstance(new_scale, (float, int, torch.Tensor)):
+        if new_scale is not None and (
+            isinstance(new_scale, bool) or not isinstance(new_scale, (float, int, torch.Tensor))
+        ):
             raise TypeError(f"new_scale must be a float or tensor, got {type(new_scale).__name__}")
         self.scaler_updated.clear()
         launch_optim_kernel(self.update_kernel, new_scale)
+        if not is_async and not on_optim_stream():  # on the optimizer thread it ran inline
+            self.scaler_updated.wait_checked()
+            raise_pending_error()
 
     # -- optimizer thread --------------------------------------------------------------------
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

@@ -418,6 +418,15 @@ def _forward_layer(
         return call_layer(layer, x, spec, is_args)
 
 
+def _output_events(device: DeviceManager, with_backward: bool) -> tuple[Any, Any]:
+    """(forward, backward) events of a microbatch's outputs just copied to the host: both
+    complete once the copies did (the consumer's recompute reads the same host data); no
+    backward event where no backward will run."""
+    event = device.new_event()
+    event.record(device.downstream)
+    return event, (event if with_backward else None)
+
+
 def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
     """Forward one layer group over all microbatches (no autograd graph is kept)."""
     layers = run.plan.fwd_plan[layer_group_id]
@@ -426,10 +435,14 @@ def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -
             run.tracker.forward_wait_for(layer_group_id, m)
             ctx = run.contexts[m]
             leaves, spec, is_args = run.states[m]
+            if is_args:  # the caller's inputs: packed ones may still be on their way
+                run.batch.wait_forward_events(m, run.state)
             forward = functools.partial(_forward_layer, run, device, ctx, (leaves, layers.start))
             state = (async_h2d(device, leaves), spec, is_args)
             _, x, spec = _run_chain(layers, stage.layers, state, forward)
             run.states[m] = (async_d2h(device, x), spec, False)
+            if layer_group_id == len(run.plan.fwd_plan) - 1:
+                run.batch.output_events[m] = _output_events(device, run.enable_grad)
             run.tracker.forward_notify(layer_group_id)
 
 
@@ -512,6 +525,9 @@ def _backward_inputs(
                 attr.backward_uploaded()
         ctx = run.contexts[m]
         state = host_state(ctx)
+        if state[2]:  # the caller's inputs, read (again) here: packed ones may be in flight
+            run.batch.wait_forward_events(m, run.state)
+            run.batch.wait_backward_events(m, run.state)
         yield ctx, (_prepare_inputs(run, device, layers, m, state), state[1], state[2])
 
 
@@ -607,6 +623,7 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
                     hs,
                     False,
                 )
+                run.batch.output_events[m] = _output_events(device, True)
             ctx.grad_states = async_d2h(device, _input_grads(x))
             run.tracker.forward_notify(fwd_gid)
             run.tracker.backward_notify(0)

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 import torch
 
+from .batch import check_spec, is_spec
 from .device import get_num_devices
 from .scheduler import ModelExecutePlan
 
@@ -38,13 +39,20 @@ class RoundPipeRunConfig:
         recompute_grain: ``"stage"`` recomputes a whole backward stage then runs its backward;
             ``"layer"`` recomputes and back-propagates layer by layer. Default ``"stage"``.
         num_microbatch: microbatches per call. Default: number of devices + 1.
-        split_input: ``None`` (automatic), a spec pytree mirroring ``(args, kwargs)`` whose
-            leaves are a split dim (int) or ``None`` (replicate), or a callable
-            ``(args, kwargs, n) -> list[(args, kwargs)]``.
-        split_label: ``None`` (automatic), a spec pytree, or a callable ``(label, n) -> list``.
-        merge_output: ``None``/``True`` (concatenate along dim 0, average scalars), ``False``
-            (return a :class:`~roundpipe.batch.RoundPipePackedData` for chaining models), or a
-            callable ``list[output] -> output``.
+        split_input: ``None`` (automatic: tensors whose dim 0 is the batch size are chunked,
+            the rest replicated), a spec mirroring ``(args, kwargs)`` or a prefix of it (e.g.
+            an ``(args_spec, kwargs_spec)`` pair) whose leaves are
+            ``torch.distributed.pipelining``'s ``TensorChunkSpec(dim)`` or ``_Replicate``, a
+            split dim (int) or ``None`` (replicate), or a callable ``(args, kwargs, n)``
+            returning ``(args_list, kwargs_list)`` or a list of ``(args, kwargs)`` pairs.
+        split_label: ``None`` (automatic), a spec mirroring the label, or a callable
+            ``(label, n) -> list`` of ``n`` labels.
+        merge_output: ``None``/``True`` (concatenate along dim 0, average floating scalars,
+            sum integer ones), ``False`` (the output structure with a
+            :class:`~roundpipe.batch.RoundPipePackedData` of per-microbatch values at each
+            leaf, for chaining models), a merge spec mirroring the output (leaves:
+            ``TensorChunkSpec``, ``_Replicate`` / ``None``, ``sum_reducer``,
+            :data:`~roundpipe.batch.avg_reducer`), or a callable ``list[output] -> output``.
         execute_plan: a fixed :class:`~roundpipe.scheduler.ModelExecutePlan`. Default: auto.
 
     Example:
@@ -62,7 +70,7 @@ class RoundPipeRunConfig:
         num_microbatch: int | None = None,
         split_input: Any = None,
         split_label: Any = None,
-        merge_output: bool | Callable[[list[Any]], Any] | None = None,
+        merge_output: bool | Callable[[list[Any]], Any] | Any = None,
         execute_plan: ModelExecutePlan | None = None,
     ) -> None:
         for name, value in (
@@ -84,12 +92,11 @@ class RoundPipeRunConfig:
                 output_device = torch.device(output_device)
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"output_device is not a device: {output_device!r}") from e
-        if (
-            merge_output is not None
-            and not isinstance(merge_output, bool)
-            and not callable(merge_output)
-        ):
-            raise TypeError("merge_output must be None, a bool or a callable")
+        if not isinstance(merge_output, bool) and is_spec(merge_output, for_merge=True):
+            check_spec(merge_output, "merge_output", for_merge=True)
+        for name, spec in (("split_input", split_input), ("split_label", split_label)):
+            if is_spec(spec):
+                check_spec(spec, name)
         if execute_plan is not None:
             if not isinstance(execute_plan, ModelExecutePlan):
                 raise TypeError(

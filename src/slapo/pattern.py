@@ -2,11 +2,15 @@
 
 A pattern is a function, a :class:`Pattern` subclass or a :class:`ModulePattern`. It is traced
 with torch.fx into a small graph whose placeholders match anything; ``call_module(regex, *args)``
-inside a pattern matches a call of a submodule whose name matches ``regex``. Matching compares
+inside a pattern matches a call of a submodule whose name or class name matches ``regex``. The
+submodules of a :class:`Pattern` (``self.linear = nn.Linear(1, 1)``) stay calls in the pattern's
+graph and match calls of any module of their type, whatever its sizes. Matching compares
 operations by a canonical name (``operator.add``, ``torch.add`` and ``aten.add.Tensor`` are all
-``add``), so a pattern written with torch functions matches graphs captured by torch.export too.
-It is structural: it walks the data flow back from the pattern's output, tries both argument
-orders of commutative operations, and returns every non-overlapping match.
+``add``; ``nn.ReLU``, ``F.relu`` and ``torch.relu`` are all ``relu``), so a pattern written with
+torch functions matches graphs captured by torch.export too, and a module form matches the
+functional one. It is structural: it walks the data flow back from each of the pattern's outputs
+(a pattern may return a tuple: independent branches, such as q/k/v projections of one input),
+tries both argument orders of commutative operations, and returns every non-overlapping match.
 """
 
 from __future__ import annotations
@@ -37,10 +41,20 @@ __all__ = [
 class Pattern(nn.Module):
     """Base class of subgraph patterns: implement ``forward`` with the computation to find.
 
+    Submodules stay module calls in the pattern and match a call of any module of the same type
+    (sizes do not matter); activations also match their functional forms.
+
     Example:
         >>> class BiasGeLU(Pattern):
         ...     def forward(self, x, bias):
         ...         return torch.nn.functional.gelu(x + bias)
+        >>> class LinearReLU(Pattern):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.linear = nn.Linear(1, 1)  # any nn.Linear
+        ...         self.relu = nn.ReLU()  # nn.ReLU, F.relu or torch.relu
+        ...     def forward(self, x):
+        ...         return self.relu(self.linear(x))
     """
 
     def forward(self, *args: Any) -> Any:
@@ -70,10 +84,12 @@ class ModulePattern(nn.Module):
 
 
 def call_module(regex: str, *args: Any) -> Any:
-    """Inside a pattern: a call of any submodule whose name matches ``regex``.
+    """Inside a pattern: a call of any submodule whose name (its last part or its dotted path)
+    or class name matches ``regex``.
 
     Example:
         >>> pattern = lambda x: torch.relu(call_module(r"fc\\d", x))
+        >>> by_class = lambda x: call_module("ReLU", x)  # every nn.ReLU call
     """
     proxies = [a for a in args if isinstance(a, fx.Proxy)]
     if not proxies:
@@ -94,7 +110,9 @@ class Subgraph(Sequence[tuple[str, fx.Node]]):
         nodes: the matched nodes, in graph order.
         inputs: values from outside the subgraph, one per pattern placeholder (or, for a module
             call, its arguments).
-        output: the node whose value the subgraph produces.
+        output: the node whose value the subgraph produces (the first one, for a pattern that
+            returns a tuple).
+        outputs: every node whose value the subgraph produces, in the pattern's return order.
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
@@ -109,6 +127,11 @@ class Subgraph(Sequence[tuple[str, fx.Node]]):
     inputs: list[Any]
     output: fx.Node
     kwargs: dict[str, Any] = field(default_factory=dict)
+    outputs: list[fx.Node] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.outputs:
+            self.outputs = [self.output]
 
     @overload
     def __getitem__(self, index: int) -> tuple[str, fx.Node]: ...
@@ -189,20 +212,36 @@ def _op_name(node: fx.Node, owner: nn.Module | None) -> str | None:
 
 
 # ----- tracing a pattern -----------------------------------------------------------------------
+# What a pattern's tracer goes into: the pattern classes (ModulePattern.forward emits
+# call_module()) and plain containers. Every other submodule stays a call and matches by type.
+_TRACED_THROUGH = (Pattern, ModulePattern, nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 class _PatternTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return False  # ModulePattern.forward emits call_module(); nothing else is a leaf
+        return not isinstance(m, _TRACED_THROUGH)
 
 
 def trace_pattern(pattern: Callable | nn.Module) -> fx.Graph:
-    """Trace a pattern function or module into an fx graph."""
+    """Trace a pattern function or module into an fx graph.
+
+    The graph's ``owning_module`` holds the pattern's submodules under their paths, so that a
+    ``call_module`` node of the pattern can be matched by the type of the module it calls.
+
+    Example:
+        >>> graph = trace_pattern(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        >>> [n.op for n in graph.nodes]
+        ['placeholder', 'call_module', 'call_module', 'output']
+    """
+    tracer = _PatternTracer()
     try:
-        return _PatternTracer().trace(pattern)
+        graph = tracer.trace(pattern)
     except Exception as exc:  # noqa: BLE001  (explained below)
         raise SlapoError(
             f"cannot trace the pattern {getattr(pattern, '__name__', pattern)!r} with torch.fx: "
-            f"{exc}; write it with torch operations on its arguments only"
+            f"{exc}; write it with torch operations and submodules on its arguments only"
         ) from exc
+    return fx.GraphModule(tracer.root, graph).graph
 
 
 # ----- matching --------------------------------------------------------------------------------
@@ -210,16 +249,25 @@ class _Matcher:
     def __init__(self, pattern: fx.Graph, owner: nn.Module) -> None:
         self.pattern = pattern
         self.owner = owner
+        self.proot: nn.Module | None = pattern.owning_module
         self.placeholders = [n for n in pattern.nodes if n.op == "placeholder"]
         outputs = [n for n in pattern.nodes if n.op == "output"]
         out = outputs[0].args[0]
-        if not isinstance(out, fx.Node) or out.op == "placeholder":
-            raise SlapoError("a pattern must return the result of one operation (not a tuple)")
-        self.anchor = out
+        anchors = list(out) if isinstance(out, tuple | list) else [out]
+        if not anchors or any(not isinstance(a, fx.Node) or a.op == "placeholder" for a in anchors):
+            raise SlapoError(
+                "a pattern must return the result of an operation, or a tuple of such results "
+                "(independent branches), not one of its inputs or a constant"
+            )
+        self.anchors: list[fx.Node] = anchors
 
-    def match(self, node: fx.Node) -> dict[fx.Node, Any] | None:
-        env: dict[fx.Node, Any] = {}
-        return env if self._match(self.anchor, node, env) else None
+    def match(self, p: fx.Node, t: Any, env: dict[fx.Node, Any]) -> bool:
+        """Match pattern node ``p`` against ``t``; binds into ``env`` (left as it was on failure)."""
+        trial = dict(env)
+        if not self._match(p, t, trial):
+            return False
+        env.update(trial)
+        return True
 
     def _match(self, p: fx.Node, t: Any, env: dict[fx.Node, Any]) -> bool:
         if p in env:
@@ -232,9 +280,13 @@ class _Matcher:
         if p.op == "get_attr":
             return False
         if p.op == "call_function" and p.target is call_module:
-            if t.op != "call_module" or not _name_matches(p.args[0], str(t.target)):
+            if t.op != "call_module" or not _name_matches(p.args[0], str(t.target), self._mod(t)):
                 return False
             pargs, commutative = list(p.args[1:]), False
+        elif p.op == "call_module":
+            if not self._same_module(p, t):
+                return False
+            pargs, commutative = list(p.args), False
         else:
             name = _op_name(p, None)
             if name is None or name != _op_name(t, self.owner):
@@ -245,6 +297,25 @@ class _Matcher:
             return True
         del env[p]
         return False
+
+    def _mod(self, t: fx.Node) -> nn.Module:
+        return self.owner.get_submodule(str(t.target))
+
+    def _same_module(self, p: fx.Node, t: fx.Node) -> bool:
+        """A pattern's module call matches a call of a module of its type (any sizes), or the
+        functional form of the same operation (``nn.ReLU`` and ``F.relu``)."""
+        if self.proot is None:  # a hand-made graph: no module to compare types with
+            return t.op == "call_module" and _name_matches(re.escape(str(p.target)), str(t.target))
+        pmod = self.proot.get_submodule(str(p.target))
+        if t.op == "call_module":
+            tmod = self._mod(t)
+            if isinstance(tmod, type(pmod)):
+                return True
+            # A traced child is a GraphModule named after the class it was traced from.
+            if isinstance(tmod, fx.GraphModule) and type(tmod).__name__ == type(pmod).__name__:
+                return True
+        name = _op_name(p, self.proot)
+        return name is not None and name == _op_name(t, self.owner)
 
     def _match_args(
         self, pargs: list[Any], targs: list[Any], env: dict[fx.Node, Any], commutative: bool
@@ -274,9 +345,18 @@ class _Matcher:
                 return False
         return True
 
+    def inner(self, env: dict[fx.Node, Any]) -> list[fx.Node]:
+        """The target nodes that ``env`` binds to the pattern's operations."""
+        return [
+            env[n] for n in self.pattern.nodes if n.op not in ("placeholder", "output") and n in env
+        ]
 
-def _name_matches(regex: str, target: str) -> bool:
-    return bool(re.fullmatch(regex, target) or re.fullmatch(regex, target.rsplit(".", 1)[-1]))
+
+def _name_matches(regex: str, target: str, mod: nn.Module | None = None) -> bool:
+    names = [target, target.rsplit(".", 1)[-1]]
+    if mod is not None:
+        names.append(type(mod).__name__)
+    return any(re.fullmatch(regex, n) for n in names)
 
 
 def find_pattern(gm: fx.GraphModule, pattern: Any, path: str = "") -> list[Subgraph]:
@@ -294,35 +374,63 @@ def find_pattern(gm: fx.GraphModule, pattern: Any, path: str = "") -> list[Subgr
         if node.op == "call_function" and node.target is call_module:
             re.compile(node.args[0])
     matcher = _Matcher(graph, gm)
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
     used: set[fx.Node] = set()
     found: list[Subgraph] = []
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in gm.graph.nodes:
+    for node in nodes:
         if node in used:
             continue
-        env = matcher.match(node)
+        env: dict[fx.Node, Any] = {}
+        if not matcher.match(matcher.anchors[0], node, env):
+            continue
+        env = _match_rest(matcher, nodes, env, used)
         if env is None:
             continue
-        inner = [env[n] for n in graph.nodes if n.op not in ("placeholder", "output") and n in env]
-        if used.intersection(inner):
-            continue
+        inner = matcher.inner(env)
         used.update(inner)
         inputs = [env.get(ph) for ph in matcher.placeholders]
-        found.append(Subgraph(path, sorted(inner, key=order.__getitem__), inputs, node))
+        outs = [env[a] for a in matcher.anchors]
+        ordered = sorted(inner, key=order.__getitem__)
+        found.append(Subgraph(path, ordered, inputs, outs[0], outputs=outs))
     return found
 
 
+def _match_rest(
+    matcher: _Matcher, nodes: list[fx.Node], env: dict[fx.Node, Any], used: set[fx.Node], i: int = 1
+) -> dict[fx.Node, Any] | None:
+    """Bind the pattern's outputs from the ``i``-th on (independent branches), backtracking; the
+    result shares no node with earlier matches (``used``)."""
+    if used.intersection(matcher.inner(env)):
+        return None
+    if i == len(matcher.anchors):
+        return env
+    for node in nodes:
+        if node in used:
+            continue
+        trial = dict(env)
+        if matcher.match(matcher.anchors[i], node, trial):
+            done = _match_rest(matcher, nodes, trial, used, i + 1)
+            if done is not None:
+                return done
+    return None
+
+
 def find_call_modules(gm: fx.GraphModule, regex: str, path: str = "") -> list[Subgraph]:
-    """Every call of a submodule of ``gm`` whose name matches ``regex``.
+    """Every call of a submodule of ``gm`` whose name or class name matches ``regex``.
 
     Example:
         >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
         >>> [s.output.target for s in find_call_modules(gm, r"0")]
         ['0']
+        >>> [s.output.target for s in find_call_modules(gm, "ReLU")]
+        ['1']
     """
     re.compile(regex)  # a bad regex fails here (re.error), even with nothing to match
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_module" and _name_matches(regex, str(node.target)):
+        if node.op != "call_module":
+            continue
+        if _name_matches(regex, str(node.target), gm.get_submodule(str(node.target))):
             found.append(Subgraph(path, [node], list(node.args), node, dict(node.kwargs)))
     return found

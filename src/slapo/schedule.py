@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from .exceptions import PrimitiveError, SchedulePathError, SlapoError
 from .ranks import get_rank, get_world_size
@@ -254,6 +254,34 @@ class Schedule:
         while sch.parent is not None:
             sch = sch.parent
         return sch
+
+    def get_module(self, target: str | fx.Node | tuple[str, fx.Node]) -> nn.Module:
+        """The submodule that ``target`` names, relative to this schedule's module: a dotted path
+        (a ``call_module`` node's target), a ``call_module`` node, or a ``(path, node)`` pair of
+        a ``find`` match (the node's target is then relative to the graph at ``path``).
+
+        Example:
+            >>> sch = create_schedule(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+            >>> type(sch.get_module("1")).__name__
+            'ReLU'
+        """
+        if isinstance(target, tuple) and len(target) == 2 and isinstance(target[1], fx.Node):
+            target = join_path(target[0], str(target[1].target))
+        elif isinstance(target, fx.Node):
+            if target.op not in ("call_module", "get_attr"):
+                raise PrimitiveError(
+                    f'get_module on "{label(self.path)}": node {target.name} is a '
+                    f"{target.op} node; only call_module nodes name a submodule"
+                )
+            target = str(target.target)
+        if not isinstance(target, str):
+            raise TypeError(f"get_module takes a dotted path or an fx node, got {target!r}")
+        try:
+            return self.mod.get_submodule(target)
+        except AttributeError as exc:
+            raise SchedulePathError(
+                f'get_module on "{label(self.path)}": no submodule "{target}" ({exc})'
+            ) from exc
 
     def named_schedules(self, prefix: str = "") -> Iterator[tuple[str, Schedule]]:
         """Yield ``(relative path, schedule)`` for this schedule and every descendant, pre-order."""

@@ -26,8 +26,11 @@ class FindPrimitive(Primitive):
     """Find module calls (a regex on their names) or subgraphs (a pattern) in the traced module.
 
     A string is a regex matched against the called submodule's name (its last part, or its full
-    dotted name). A function, a ``Pattern`` instance or class, or a ``ModulePattern`` is matched
-    structurally; ``call_module(regex, *args)`` inside a pattern matches a submodule call.
+    dotted name) or its class name (``"ReLU"``). A function, a ``Pattern`` instance or class, or
+    a ``ModulePattern`` is matched structurally; ``call_module(regex, *args)`` inside a pattern
+    matches a submodule call, and a ``Pattern``'s own submodules match calls of modules of their
+    type. A pattern that returns a tuple (branches, e.g. q/k/v projections of one input) gives
+    matches with several ``outputs``; ``sch.get_module(node.target)`` gives a matched module.
     Traced submodules (child GraphModules) are searched too; each ``Subgraph`` records the path
     of the graph it lives in. Returns a list with every non-overlapping match (empty if none);
     a match is a sequence of ``(path, node)`` pairs, as in Slapo (``subgraphs[0][0][1]`` is the

@@ -73,10 +73,10 @@ def owner_of(sch: Schedule, subgraphs: list[Subgraph], primitive: str) -> Schedu
 
 
 def check_closed(sub: Subgraph, primitive: str) -> None:
-    """Raise if a value computed inside ``sub`` (other than its output) is used outside it."""
+    """Raise if a value computed inside ``sub`` (other than its outputs) is used outside it."""
     inside = set(sub.nodes)
     for node in sub.nodes:
-        if node is sub.output:
+        if any(node is out for out in sub.outputs):
             continue
         outside = [u for u in node.users if u not in inside]
         if outside:
@@ -118,7 +118,8 @@ def extract(owner: fx.GraphModule, sub: Subgraph, class_name: str) -> tuple[fx.G
             taken.append(node)
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[sub.output])
+    outs = [env[o] for o in sub.outputs]
+    graph.output(outs[0] if len(outs) == 1 else tuple(outs))  # branches: a tuple, in order
     holder = nn.Module()
     for node in sub.nodes:
         if node.op == "call_module":
@@ -187,8 +188,9 @@ def substitute(
 ) -> str:
     """Call ``module(*args, **kwargs)`` in place of ``subs``; output i feeds chain i's users.
 
-    With one subgraph the module's output replaces the subgraph's output; with several
-    (horizontal fusion) the module returns a tuple with one element per subgraph.
+    With one output in all (one subgraph of one chain) the module's output replaces it; with
+    several (horizontal fusion: several subgraphs, or one match of a pattern with several
+    branches) the module returns a tuple with one element per output, in order.
     Returns the name under which the module is registered in the owner: ``name`` if it is
     free, else ``name_<i>``; with ``numbered`` always ``name_<i>``, the first free ``i`` (Slapo's
     naming: ``BiasGeLU_0``, ``BiasGeLU_1``, ...). The submodules that only ``subs`` called are
@@ -211,11 +213,12 @@ def substitute(
         if any(a.op == "get_attr" for a in arg_nodes):
             args = [_hoist(graph, a) for a in args]
         call = graph.call_module(name, tuple(args), dict(kwargs or {}))
+        replaced = [o for s in subs for o in s.outputs]
         outs: list[fx.Node] = [call]
-        if len(subs) > 1:
-            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(subs))]
-    for s, out in zip(subs, outs, strict=True):
-        s.output.replace_all_uses_with(out)
+        if len(replaced) > 1:
+            outs = [graph.call_function(operator.getitem, (call, i)) for i in range(len(replaced))]
+    for old, out in zip(replaced, outs, strict=True):
+        old.replace_all_uses_with(out)
     removed = {n for s in subs for n in s.nodes}
     called = {str(n.target) for n in removed if n.op == "call_module"}
     for node in sorted(removed, key=order.__getitem__, reverse=True):
@@ -263,6 +266,8 @@ def replace_subgraph(
     order, or a module call's own arguments) and its output replaces the chain's output.
     Several chains: it is called once with the distinct inputs of all chains, in first-use
     order, and must return a tuple whose i-th element replaces the i-th chain's output.
+    One match of a pattern that returns a tuple (branches): it is called with the pattern's
+    arguments and returns a tuple whose i-th element replaces the i-th branch's output.
     The module is registered as ``<name>_0`` (then ``_1``, ...), ``name`` defaulting to its class
     name, as Slapo names it; the registered name is returned.
 
@@ -278,12 +283,14 @@ def replace_subgraph(
     for s in subs:
         check_closed(s, "replace")
     name = name or type(new_module).__name__
-    if len(subs) == 1:
+    if len(subs) == 1 and len(subs[0].outputs) == 1:
         s = subs[0]
         single_call = len(s.nodes) == 1 and s.output.op == "call_module"
         args = list(s.output.args) if single_call else _chain_inputs(s)
         kwargs = dict(s.output.kwargs) if single_call else {}
         return substitute(owner, subs, new_module, name, args, kwargs, numbered=True)
+    if len(subs) == 1:  # one match with several branches: the pattern's arguments, in order
+        return substitute(owner, subs, new_module, name, _chain_inputs(subs[0]), numbered=True)
     return substitute(owner, subs, new_module, name, external_inputs(subs), numbered=True)
 
 

@@ -35,13 +35,14 @@ from ..schedule import Primitive, Schedule, register_primitive
 from ..sharding.rules import apply_after_sync
 from ..sharding.sync_ops import (
     SYNC_OPS,
-    on_grad,
     on_param_grads,
     primary_input,
     replace_primary_output,
     sync_group,
 )
+from ..sharding.sync_point import SyncPoint, sync_at
 from ..surgery import label
+from ..tracing.hooks import traceable_hook
 
 SYNC_MODES = ("fwd_pre", "fwd_post", "bwd_post", "bwd_param")
 # The older spelling (seed 003), each with the modes above that it applies, in this order.
@@ -110,17 +111,13 @@ class SyncPrimitive(Primitive):
 
 
 def _register(sch: Schedule, mode: str, op: Callable) -> None:
-    """Hook ``op`` into ``sch.mod`` at the point ``mode`` (one of ``SYNC_MODES``)."""
-    path = label(sch.path)
+    """Hook ``op`` into ``sch.mod`` at the point ``mode`` (one of ``SYNC_MODES``).
 
-    if mode == "fwd_post":
-        # A row-parallel layer adds its bias only once the partial sums are reduced.
-        sch.mod.register_forward_hook(
-            lambda mod, args, out: replace_primary_output(
-                out, lambda t: apply_after_sync(mod, op(t))
-            )
-        )
-        return
+    The hooks also run when a trace goes through the module (flattened, or a decomposed layer
+    inlined into its caller): they then record the op as a call in the traced graph
+    (:mod:`slapo.sharding.sync_point`), so the synchronisation survives tracing.
+    """
+    path = label(sch.path)
     if mode == "bwd_param":
         if not on_param_grads(sch.mod, op):
             raise PrimitiveError(
@@ -128,18 +125,26 @@ def _register(sch: Schedule, mode: str, op: Callable) -> None:
                 "no replicated parameter of its own; name the module that holds the parameter"
             )
         return
+    point = SyncPoint(mode, op, sch.path)
+
+    if mode == "fwd_post":
+        # A row-parallel layer adds its bias only once the partial sums are reduced.
+        sch.mod.register_forward_hook(
+            traceable_hook(
+                lambda mod, args, out: replace_primary_output(
+                    out, lambda t: apply_after_sync(mod, sync_at(t, point))
+                )
+            )
+        )
+        return
 
     def pre_hook(mod: nn.Module, args: tuple, kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         tensor, put = primary_input(args, kw)
         if tensor is None:
             raise SlapoError(f'sync(mode="{mode}") on "{path}": the module got no tensor input')
-        if mode == "fwd_pre":
-            return put(op(tensor))
-        if not tensor.requires_grad:  # no gradient will flow back through this input
-            return args, kw
-        return put(on_grad(tensor, op))
+        return put(sync_at(tensor, point))
 
-    sch.mod.register_forward_pre_hook(pre_hook, with_kwargs=True)
+    sch.mod.register_forward_pre_hook(traceable_hook(pre_hook), with_kwargs=True)
 
 
 _HOOK_MODES = {"fw_pre": "fwd_pre", "fw_post": "fwd_post", "bw_post": "bwd_post"}

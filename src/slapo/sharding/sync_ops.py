@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from ..exceptions import PrimitiveError, SlapoError
 from .collectives import all_gather, all_reduce, reduce_scatter, scatter
@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 SyncOp = Callable[..., torch.Tensor]  # op(tensor, group=..., **kwargs) -> tensor
+# What a module's main input or output may be: a tensor, or an fx proxy of one while a trace
+# goes through the module (its hooks then record their op in the graph).
+_TENSOR = (torch.Tensor, fx.Proxy)
 SYNC_OPS: dict[str, SyncOp] = {}
 # The keywords that carry a module's main input when it is called with keywords only (as
 # transformers 5 calls its layers with ``hidden_states=``), most likely first.
@@ -72,17 +75,18 @@ def primary_input(
 ) -> tuple[torch.Tensor | None, Callable[[torch.Tensor], tuple[tuple, dict[str, Any]]]]:
     """The module's main input tensor and a function that puts a new one in its place.
 
-    The main input is the first positional tensor, or else the first of the usual input keywords.
+    The main input is the first positional tensor, or else the first of the usual input keywords;
+    an fx proxy counts as a tensor (a trace going through the module).
 
     Example:
         >>> x, put = primary_input((), {"hidden_states": torch.ones(2), "mask": None})
         >>> put(x * 2)[1]["hidden_states"]
         tensor([2., 2.])
     """
-    if args and isinstance(args[0], torch.Tensor):
+    if args and isinstance(args[0], _TENSOR):
         return args[0], lambda t: ((t, *args[1:]), kwargs)
-    keys = [k for k in _INPUT_KEYWORDS if isinstance(kwargs.get(k), torch.Tensor)]
-    keys = keys or [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    keys = [k for k in _INPUT_KEYWORDS if isinstance(kwargs.get(k), _TENSOR)]
+    keys = keys or [k for k, v in kwargs.items() if isinstance(v, _TENSOR)]
     if not keys:
         return None, lambda t: (args, kwargs)
     key = keys[0]
@@ -96,13 +100,13 @@ def replace_primary_output(output: Any, fn: Callable[[torch.Tensor], torch.Tenso
         >>> replace_primary_output((torch.ones(2), "aux"), lambda t: t * 3)
         (tensor([3., 3.]), 'aux')
     """
-    if isinstance(output, torch.Tensor):
+    if isinstance(output, _TENSOR):
         return fn(output)
-    if type(output) in (tuple, list) and output and isinstance(output[0], torch.Tensor):
+    if type(output) in (tuple, list) and output and isinstance(output[0], _TENSOR):
         return type(output)([fn(output[0]), *output[1:]])
     if isinstance(output, dict) and output:
         key = next(iter(output))
-        if isinstance(output[key], torch.Tensor):
+        if isinstance(output[key], _TENSOR):
             output[key] = fn(output[key])
             return output
     raise SlapoError(

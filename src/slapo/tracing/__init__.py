@@ -10,9 +10,14 @@ Mode-dependent operations are made mode-aware after capture: dropout (functional
 dropout probability of scaled-dot-product attention follow ``module.train()``/``eval()`` as in
 the untraced module, although tracing always runs in training mode.
 
+Hooks survive: a traced child keeps the hooks of the module it replaces, and where a trace goes
+through a hooked module (flattening, a decomposed layer inlined), ``sync``'s hooks record their
+op as a call in the graph; a module with other hooks stays a call.
+
 One file per job: ``capture`` (example inputs of a submodule), ``export`` (the torch.export
 path), ``fx`` (the symbolic-trace path), ``rewrite`` (mode-aware dropout), ``inline``
-(flattening), ``leaves`` and ``errors`` (shared by both paths), ``api`` (the entry points). The
+(flattening), ``hooks`` (hooks across inlining), ``leaves`` and ``errors`` (shared by both
+paths), ``api`` (the entry points). The
 ``trace`` primitive, which binds a schedule, lives in ``slapo.primitives.trace``.
 
 Example:

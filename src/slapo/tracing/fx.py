@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from ..surgery import join_path
+from ..surgery import join_path, move_hooks
 from .errors import module_stack, raise_trace_error
 from .leaves import Leaves, is_leaf
 
@@ -22,9 +22,14 @@ class _LeafTracer(fx.Tracer):
         self._children = {id(m) for m in root.children()} if children_are_leaves else set()
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        if id(m) in self._children or is_leaf(qualname, m, self._leaves):
+        if id(m) in self._children or is_leaf(qualname, m, self._leaves) or _leaf_by_class(m):
             return True
         return super().is_leaf_module(m, qualname)
+
+
+def _leaf_by_class(mod: nn.Module) -> bool:
+    """A module whose class asks to stay a call (``slapo.op.Print``: it prints at run time)."""
+    return getattr(type(mod), "_slapo_trace_leaf", False)
 
 
 def fx_trace(
@@ -52,12 +57,19 @@ def fx_trace(
         return gm
     # Keep the hierarchy: trace every child that is neither a leaf nor a torch.nn built-in.
     for name, child in list(gm.named_children()):
-        if is_leaf(name, child, leaves) or fx.Tracer().is_leaf_module(child, name):
+        if (
+            is_leaf(name, child, leaves)
+            or _leaf_by_class(child)
+            or isinstance(child, fx.GraphModule)
+        ):
             continue
-        if isinstance(child, fx.GraphModule):
+        if fx.Tracer().is_leaf_module(child, name):
             continue
         inner = [_strip(leaf, name) for leaf in leaves]
-        setattr(gm, name, fx_trace(child, inner, False, None, join_path(path, name)))
+        traced = fx_trace(child, inner, False, None, join_path(path, name))
+        # The call stays a call of this child: the hooks on it (sync's, the user's) keep firing.
+        move_hooks(child, traced)
+        setattr(gm, name, traced)
     return gm
 
 

@@ -8,7 +8,9 @@ from typing import Any
 
 from torch import fx
 
+from ..logger import get_logger
 from ..surgery import join_path
+from .hooks import inlinable, post_hooks_in_graph, pre_hooks_in_graph
 from .leaves import Leaves, is_leaf
 
 __all__ = ["inline_submodules"]
@@ -41,8 +43,7 @@ def inline_submodules(
             sub = gm.get_submodule(node.target)
             if not isinstance(sub, fx.GraphModule) or is_leaf(node.target, sub, leaves):
                 continue
-            _inline_one(gm, node, sub)
-            changed = True
+            changed |= _inline_one(gm, node, sub)
     gm.graph.lint()
     gm.recompile()
     return gm
@@ -59,24 +60,35 @@ def _inline_only(gm: fx.GraphModule, paths: set[str]) -> fx.GraphModule:
             and join_path(prefix, str(n.target)) in paths
             and isinstance(owner.get_submodule(str(n.target)), fx.GraphModule)
         ]
-        for node in calls:
-            _inline_one(owner, node, owner.get_submodule(str(node.target)))
-        if calls:
+        inlined = [_inline_one(owner, n, owner.get_submodule(str(n.target))) for n in calls]
+        if any(inlined):
             owner.graph.lint()
             owner.recompile()
     return gm
 
 
-def _inline_one(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule) -> None:
+def _inline_one(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule) -> bool:
+    """Inline one call of ``sub``; its forward hooks become calls in the graph (``sync``'s).
+    Returns False, leaving the call, where ``sub`` has hooks a graph cannot hold."""
+    if not inlinable(sub):
+        get_logger().warning(
+            'kept the call of "%s" (%s) in the graph: it has hooks that an inlined graph cannot '
+            "run; remove them to flatten it",
+            call.target,
+            type(sub).__name__,
+        )
+        return False
     graph = gm.graph
     prefix = call.target
+    with graph.inserting_before(call):
+        args, kwargs = pre_hooks_in_graph(graph, sub, tuple(call.args), dict(call.kwargs))
     env: dict[fx.Node, Any] = {}
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
     for i, ph in enumerate(placeholders):
-        if i < len(call.args):
-            env[ph] = call.args[i]
-        elif ph.target in call.kwargs:
-            env[ph] = call.kwargs[ph.target]
+        if i < len(args):
+            env[ph] = args[i]
+        elif ph.target in kwargs:
+            env[ph] = kwargs[ph.target]
         else:
             env[ph] = ph.args[0] if ph.args else None
     result: Any = None
@@ -91,6 +103,7 @@ def _inline_one(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule) -> None:
             if node.op in ("get_attr", "call_module"):
                 new.target = f"{prefix}.{node.target}"
             env[node] = new
+        result = post_hooks_in_graph(graph, sub, args, kwargs, result)
     if isinstance(result, fx.Node) or result is None:
         call.replace_all_uses_with(result)  # type: ignore[arg-type]
     else:
@@ -104,3 +117,4 @@ def _inline_one(gm: fx.GraphModule, call: fx.Node, sub: fx.GraphModule) -> None:
                     tup = graph.call_function(tuple, (list(result),))
                 user.replace_input_with(call, tup)
     graph.erase_node(call)
+    return True
