@@ -1,6 +1,8 @@
 """The embedded default corpus: byte-level tokens of the Python standard library's own source.
 
 Every Python installation carries it, so the main job trains on real text with no download.
+:class:`TokenBatches` draws the same kind of batches from any token stream (``slapo train
+--data``, tokenized and cached by :mod:`slapo.train.token_cache`).
 """
 
 from __future__ import annotations
@@ -10,7 +12,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["default_corpus", "ByteBatches", "MaskedByteBatches", "VOCAB_SIZE", "MASK_ID"]
+__all__ = [
+    "default_corpus",
+    "ByteBatches",
+    "MaskedByteBatches",
+    "TokenBatches",
+    "MaskedTokenBatches",
+    "VOCAB_SIZE",
+    "MASK_ID",
+]
 
 VOCAB_SIZE = 256  # one token per byte
 MASK_ID = 0  # the NUL byte never occurs in source text: the [MASK] token of masked-LM batches
@@ -94,10 +104,78 @@ class MaskedByteBatches(ByteBatches):
         self.mask_prob = mask_prob
 
     def next(self) -> dict[str, torch.Tensor]:
-        ids = super().next()["input_ids"]
-        masked = torch.rand(ids.shape, generator=self.generator) < self.mask_prob
-        masked[:, 0] = True  # at least one label per row
-        return {
-            "input_ids": ids.masked_fill(masked, MASK_ID),
-            "labels": ids.masked_fill(~masked, -100),
-        }
+        return _mask(super().next()["input_ids"], self.generator, self.mask_prob)
+
+
+def _mask(
+    ids: torch.Tensor, generator: torch.Generator, mask_prob: float
+) -> dict[str, torch.Tensor]:
+    """A masked-LM batch of ``ids``: ``mask_prob`` of the positions become ``MASK_ID`` and
+    carry their id as the label (the others -100), at least one per row."""
+    masked = torch.rand(ids.shape, generator=generator) < mask_prob
+    masked[:, 0] = True  # at least one label per row
+    return {
+        "input_ids": ids.masked_fill(masked, MASK_ID),
+        "labels": ids.masked_fill(~masked, -100),
+    }
+
+
+class TokenBatches:
+    """Batches of a token stream packed into ``seq_len`` windows, drawn at random (with
+    replacement), reproducible by seed; ``labels`` equal ``input_ids`` as in :class:`ByteBatches`.
+
+    ``tokens`` may be memory-mapped (``torch.from_file``) in any integer dtype: only the windows
+    of a batch are read and widened to int64.
+
+    Example:
+        >>> batches = TokenBatches(torch.arange(100, dtype=torch.int32), 2, 10, seed=0)
+        >>> batches.next()["input_ids"][:, 0] % 10
+        tensor([0, 0])
+    """
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0) -> None:
+        self.windows = len(tokens) // seq_len
+        if self.windows < 1:
+            raise ValueError(f"{len(tokens)} tokens are fewer than seq_len={seq_len}")
+        self.tokens = tokens
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        picks = torch.randint(0, self.windows, (self.batch_size,), generator=self.generator)
+        n = self.seq_len
+        ids = torch.stack([self.tokens[w * n : (w + 1) * n] for w in picks.tolist()]).long()
+        return {"input_ids": ids, "labels": ids.clone()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+class MaskedTokenBatches(TokenBatches):
+    """Masked-LM batches of a token stream (BERT), masked as :class:`MaskedByteBatches`.
+
+    Example:
+        >>> batch = MaskedTokenBatches(torch.arange(1, 101), 2, 10, seed=0).next()
+        >>> bool(((batch["labels"] == -100) | (batch["input_ids"] == MASK_ID)).all())
+        True
+    """
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        mask_prob: float = 0.15,
+    ) -> None:
+        super().__init__(tokens, batch_size, seq_len, seed)
+        if not 0 < mask_prob < 1:
+            raise ValueError(f"mask_prob must lie in (0, 1), got {mask_prob}")
+        self.mask_prob = mask_prob
+
+    def next(self) -> dict[str, torch.Tensor]:
+        return _mask(super().next()["input_ids"], self.generator, self.mask_prob)

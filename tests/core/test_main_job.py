@@ -199,7 +199,7 @@ def test_bad_options_are_clear_errors(tmp_path):
     with pytest.raises(SlapoError, match="--resume .*: no such checkpoint"):
         train(TrainConfig(resume=str(tmp_path / "missing.pt"), **SMALL))
     with pytest.raises(SlapoError, match="--model must be one of"):
-        train(TrainConfig(model="falcon", **SMALL))
+        train(TrainConfig(model="no-such-model", **SMALL))
 
 
 def test_roundpipe_target_trains(monkeypatch):

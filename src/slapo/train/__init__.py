@@ -1,19 +1,25 @@
-"""The main job: train a small transformers model on the embedded corpus with a ready schedule.
+"""The main job: train a transformers model on the embedded corpus or your data, scheduled.
 
 Run it as ``slapo train`` (or ``python -m slapo train``); ``slapo train --help`` lists the options.
 Under ``torchrun --nproc-per-node N`` it runs tensor (``--tp``), data (``--target ddp|fsdp``) or
 pipeline (``--target pipeline --num-stages N``) parallel.
 
-=============  =====================================================================
-``config``     :class:`TrainConfig`: the options; the command line is generated from it
-``presets``    the model families and sizes, their ready schedules, the causal LM loss
-``layout``     the process layout, and how the main job uses each build target
-``loop``       :class:`Runner` and :func:`train`: one loop for every target
-``memory``     :class:`PeakMemory`
-``state``      ``--save`` / ``--resume``
-``report``     ``metrics.json``, ``loss.png`` and the end-of-run table
-``cli``        ``slapo train``
-=============  =====================================================================
+================  =====================================================================
+``config``        :class:`TrainConfig`: the options; the command line is generated from it
+``presets``       the model families and sizes, their ready schedules, the causal LM loss
+``model_source``  ``--model``: a family, a transformers model type or a model directory
+``tokenizer``     the run's tokenizer: the model directory's, ``--tokenizer``'s, or bytes
+``datafiles``     ``--data``: the .txt / .jsonl / .parquet files and their text
+``token_cache``   ``--data`` tokenized once, packed, memory-mapped from a cache file
+``inputs``        :func:`prepare_inputs`: model, tokenizer and data resolved and checked first
+``generic``       the generic plan, for a model type without a ready schedule
+``layout``        the process layout, and how the main job uses each build target
+``loop``          :class:`Runner` and :func:`train`: one loop for every target
+``memory``        :class:`PeakMemory`
+``state``         ``--save`` / ``--resume``
+``report``        ``metrics.json``, ``loss.png`` and the end-of-run table
+``cli``           ``slapo train``
+================  =====================================================================
 
 Example:
     >>> from slapo.train import TrainConfig, train
@@ -23,7 +29,8 @@ Example:
 from __future__ import annotations
 
 from .cli import add_parser
-from .config import TARGETS, TrainConfig
+from .config import TARGETS, InputError, TrainConfig
+from .inputs import RunInputs, prepare_inputs
 from .layout import Layout, setup_layout
 from .loop import Runner, make_batches, run_once, train
 from .memory import PeakMemory
@@ -34,8 +41,10 @@ __all__ = [
     "MODELS",
     "PRESETS",
     "TARGETS",
+    "InputError",
     "Layout",
     "PeakMemory",
+    "RunInputs",
     "Runner",
     "TrainConfig",
     "add_parser",
@@ -43,6 +52,7 @@ __all__ = [
     "default_schedule",
     "format_summary",
     "make_batches",
+    "prepare_inputs",
     "run_once",
     "setup_layout",
     "train",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import types
 from collections.abc import Mapping, Sequence
@@ -27,17 +28,20 @@ from ..exceptions import SlapoError
 from ..tune.memory import Estimator, register_command_estimator, train_argv
 from ..tune.space import Value
 from ..tune.trial import config_to_flags
-from .config import TrainConfig
+from .config import InputError, TrainConfig
 from .loop import train
 from .memory import estimate_config
+from .model_source import model_label
 from .report import format_summary
 
 __all__ = ["add_parser", "config_from_args", "train_estimator"]
 
-HELP = "train a small transformers model on the embedded corpus with a schedule"
+HELP = "train a transformers model (yours, or a small one) on your data or the embedded corpus"
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
-ready schedule. Under torchrun --nproc-per-node N it runs tensor (--tp), data (--target ddp|fsdp)
-or pipeline (--target pipeline --num-stages N) parallel."""
+ready schedule, or your model (--model DIR) on your data (--data FILE|DIR), with the family's
+ready schedule or else a generic plan. Under torchrun --nproc-per-node N it runs tensor (--tp),
+data (--target ddp|fsdp) or pipeline (--target pipeline --num-stages N) parallel. Bad input
+exits with status 2."""
 
 
 def parse_bool(text: str) -> bool:
@@ -124,13 +128,14 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def default_run_dir(cfg: TrainConfig) -> str:
-    """Where a ``slapo train`` run without ``--output-dir`` writes: ``runs/<model>-<time>``.
+    """Where a ``slapo train`` run without ``--output-dir`` writes: ``runs/<model>-<time>``
+    (a model directory's own name for ``<model>``).
 
     Example:
         >>> default_run_dir(TrainConfig(model="gpt2")).startswith("runs/gpt2-")
         True
     """
-    return f"runs/{cfg.model}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return f"runs/{model_label(cfg.model)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -139,6 +144,10 @@ def _run(args: argparse.Namespace) -> int:
         cfg.output_dir = default_run_dir(cfg)
     try:
         summary = train(cfg)
+    except InputError as exc:  # bad input: one line, the usage-error status, no traceback
+        message = " ".join(str(exc).split())  # one line, whatever a library put in it
+        print(f"slapo train: {message}", file=sys.stderr)
+        raise SystemExit(2) from exc
     except SlapoError as exc:
         raise SystemExit(f"slapo train: {exc}") from exc
     finally:

@@ -16,10 +16,16 @@ from typing import Any
 from ..exceptions import SlapoError
 from .presets import MODELS, PRESETS
 
-__all__ = ["SCHEDULE_KNOBS", "TARGETS", "TrainConfig", "option", "parse_attn_op"]
+__all__ = ["SCHEDULE_KNOBS", "TARGETS", "InputError", "TrainConfig", "option", "parse_attn_op"]
 
 TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
 SCHEDULE_KNOBS = "schedule knobs (slapo.model_schedule.apply_schedule)"
+
+
+class InputError(SlapoError):
+    """Bad input on the command line (a flag out of range, a data file or model directory that
+    cannot be used): ``slapo train`` prints the message as one line and exits with status 2, as
+    argparse does for a usage error."""
 
 
 def parse_attn_op(text: str) -> str:
@@ -76,7 +82,11 @@ class TrainConfig:
         >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
     """
 
-    model: str = option("llama", "model family", choices=MODELS)
+    model: str = option(
+        "llama", f"a model family ({', '.join(MODELS)}), a transformers causal-LM model type "
+        "(e.g. phi3, qwen3: a --preset sized model) or a local model directory (config.json and "
+        "safetensors weights, as save_pretrained writes them)",
+    )  # fmt: skip
     preset: str = option("tiny", "model size", choices=sorted(PRESETS))
     # about a minute on 2 idle CPU cores (measured: 200 steps in 21 s)
     steps: int = option(500, "total optimizer steps", positive=True)
@@ -84,6 +94,15 @@ class TrainConfig:
     seq_len: int = option(128, "tokens per sequence", positive=True)
     lr: float = option(3e-3, "AdamW learning rate")
     seed: int = option(0, "seed of the weights and the data")
+    # the data (slapo.train.token_cache): the embedded corpus unless --data names files
+    data: str | None = option(
+        None, "train on a .txt, .jsonl or .parquet file, or a directory of them, tokenized once "
+        "and cached beside it (default: the embedded corpus)",
+    )  # fmt: skip
+    data_field: str = option("text", "the text field of --data's .jsonl records / parquet column")
+    tokenizer: str | None = option(
+        None, "a tokenizer directory (default: the model directory's, else one token per byte)"
+    )
     # the schedule's knobs (slapo.model_schedule.apply_schedule); None: the family's
     # recommended value (slapo.model_schedule.recommended_knobs, see schedule_knobs)
     ckpt_ratio: float | None = option(
@@ -139,22 +158,22 @@ class TrainConfig:
     progress: bool = option(True, "hide the progress bar")
 
     def check(self) -> None:
-        """Raise a :class:`SlapoError` naming the flag of the first option out of its range.
+        """Raise an :class:`InputError` naming the flag of the first option out of its range.
 
         Example:
             >>> TrainConfig(steps=0).check()
             Traceback (most recent call last):
-            SlapoError: --steps must be positive, got 0
+            InputError: --steps must be positive, got 0
         """
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             flag = "--" + f.name.replace("_", "-")
             if meta.get("positive") and value <= 0:
-                raise SlapoError(f"{flag} must be positive, got {value}")
+                raise InputError(f"{flag} must be positive, got {value}")
             choices = meta.get("choices")
             if choices is not None and value is not None and value not in choices:  # None: default
-                raise SlapoError(f"{flag} must be one of {meta['choices']}, got {value!r}")
+                raise InputError(f"{flag} must be one of {meta['choices']}, got {value!r}")
         if self.baseline_steps < 0:
-            raise SlapoError(f"--baseline-steps must be 0 or more, got {self.baseline_steps}")
+            raise InputError(f"--baseline-steps must be 0 or more, got {self.baseline_steps}")
         if self.compare and (self.save or self.resume):
-            raise SlapoError("--compare trains two models; run --save/--resume without it")
+            raise InputError("--compare trains two models; run --save/--resume without it")

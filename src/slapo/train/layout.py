@@ -26,9 +26,19 @@ from .. import env
 from ..exceptions import SlapoError, TargetError
 from ..schedule import Schedule, create_schedule
 from .config import TrainConfig
-from .presets import CAUSAL, causal_lm_loss, default_schedule
+from .generic import GENERIC_KNOBS, generic_schedule
+from .model_source import resolve_model
+from .presets import CAUSAL, MODELS, causal_lm_loss, default_schedule
 
-__all__ = ["TARGET_USES", "Layout", "TargetUse", "schedule_for", "schedule_knobs", "setup_layout"]
+__all__ = [
+    "TARGET_USES",
+    "Layout",
+    "TargetUse",
+    "schedule_family",
+    "schedule_for",
+    "schedule_knobs",
+    "setup_layout",
+]
 
 
 @dataclass
@@ -147,7 +157,9 @@ def setup_layout(cfg: TrainConfig) -> Layout:
 
 def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, Any]:
     """The ready schedule's knobs of a ``slapo train`` run: the family's recommended knobs
-    (``slapo.model_schedule.recommended_knobs``, measured on CPU) under those ``cfg`` sets.
+    (``slapo.model_schedule.recommended_knobs``, measured on CPU; the generic plan's
+    :data:`~slapo.train.generic.GENERIC_KNOBS` for a model type without a ready schedule) under
+    those ``cfg`` sets.
 
     The whole-model compilation is recommended on the ``eager`` target of one process without
     pipeline stages, where it was measured; the engines of the other targets run the blocks
@@ -159,7 +171,9 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     """
     from ..model_schedule import recommended_knobs  # deferred: the plans import transformers bits
 
-    knobs = {"ckpt_ratio": 0.0, **recommended_knobs(cfg.model)}
+    family = schedule_family(cfg.model)
+    defaults = GENERIC_KNOBS if family is None else recommended_knobs(family)
+    knobs = {"ckpt_ratio": 0.0, **defaults}
     if cfg.target != "eager" or cfg.tp > 1 or cfg.num_stages > 1:
         knobs["compile_model"] = False
     given = {
@@ -179,8 +193,9 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
 
 def schedule_for(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: bool) -> Schedule:
     """The schedule ``slapo train`` runs ``model`` with: the family's ready schedule set from
-    ``cfg``'s knobs (:func:`schedule_knobs`; tensor-parallel over the layout's group), or none
-    when not ``scheduled``.
+    ``cfg``'s knobs (:func:`schedule_knobs`; tensor-parallel over the layout's group), the
+    generic plan (:mod:`~slapo.train.generic`) for a model type without one, or none when not
+    ``scheduled``.
 
     Example:
         >>> sch = schedule_for(TrainConfig(), model, Layout(), scheduled=True)  # doctest: +SKIP
@@ -188,4 +203,22 @@ def schedule_for(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: 
     if not scheduled:
         return create_schedule(model)
     knobs = schedule_knobs(cfg, layout)
+    if schedule_family(cfg.model) is None:
+        return generic_schedule(model, **knobs)
     return default_schedule(model, knobs.pop("ckpt_ratio"), **knobs)
+
+
+def schedule_family(model: str) -> str | None:
+    """The ready schedule's family of ``--model`` (a family, a model type or a directory's
+    ``config.model_type``); None when none is registered: the generic plan schedules it.
+
+    Example:
+        >>> schedule_family("qwen3"), schedule_family("phi3")
+        ('qwen3', None)
+    """
+    from ..model_schedule import list_families  # deferred: the plans import transformers bits
+
+    if model in MODELS:
+        return model
+    model_type = resolve_model(model).model_type
+    return model_type if model_type in list_families() else None

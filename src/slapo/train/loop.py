@@ -25,11 +25,13 @@ from tqdm.auto import tqdm
 
 from .. import env
 from ..build import build
-from ..data import ByteBatches, MaskedByteBatches, default_corpus
+from ..data import ByteBatches, MaskedByteBatches, MaskedTokenBatches, TokenBatches, default_corpus
 from ..sharding import all_reduce
 from ..sharding.sequence import SP_TAG
 from ..targets import train_step
 from .config import TrainConfig
+from .generic import describe_plan
+from .inputs import RunInputs, prepare_inputs
 from .layout import TARGET_USES, Layout, schedule_for, schedule_knobs, setup_layout
 from .memory import PeakMemory, estimate_run, estimated_peak_mb
 from .presets import build_model
@@ -43,8 +45,11 @@ MEMORY_SAMPLE_STEPS = 3
 __all__ = ["Runner", "make_batches", "run_once", "train"]
 
 
-def make_batches(cfg: TrainConfig, layout: Layout) -> ByteBatches:
-    """This rank's batches of the embedded corpus (masked for BERT).
+def make_batches(
+    cfg: TrainConfig, layout: Layout, inputs: RunInputs | None = None
+) -> ByteBatches | TokenBatches:
+    """This rank's batches of the run's tokens: ``inputs.tokens`` (``--data``), else the
+    embedded corpus as bytes (masked for BERT).
 
     Each data-parallel rank draws its own batches; tensor-parallel peers draw the same ones.
 
@@ -52,8 +57,12 @@ def make_batches(cfg: TrainConfig, layout: Layout) -> ByteBatches:
         >>> make_batches(TrainConfig(batch_size=2, seq_len=16), Layout()).next()["input_ids"].shape
         torch.Size([2, 16])
     """
+    seed = cfg.seed + 1000 * layout.dp_rank
+    if inputs is not None and inputs.tokens is not None:
+        tokens = MaskedTokenBatches if cfg.model == "bert" else TokenBatches
+        return tokens(inputs.tokens, cfg.batch_size, cfg.seq_len, seed=seed)
     cls = MaskedByteBatches if cfg.model == "bert" else ByteBatches
-    return cls(default_corpus(), cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1000 * layout.dp_rank)
+    return cls(default_corpus(), cfg.batch_size, cfg.seq_len, seed=seed)
 
 
 def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
@@ -103,15 +112,23 @@ class Runner:
         return float(loss)
 
 
-def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> dict[str, Any]:
-    """Train one model (the scheduled or the unscheduled one); returns its record.
+def run_once(
+    cfg: TrainConfig,
+    layout: Layout,
+    scheduled: bool,
+    label: str,
+    inputs: RunInputs | None = None,
+) -> dict[str, Any]:
+    """Train one model (the scheduled or the unscheduled one) on ``inputs`` (default: prepared
+    from ``cfg``); returns its record.
 
     Example:
         >>> run_once(TrainConfig(steps=2, progress=False), Layout(), True, "scheduled")["label"]
         'scheduled'
     """
+    inputs = inputs or prepare_inputs(cfg)
     runner = Runner(cfg, layout, scheduled)
-    batches = make_batches(cfg, layout)
+    batches = make_batches(cfg, layout, inputs)
     estimate = estimate_run(runner, batches)  # before any step: a prediction, not a reading
     record: dict[str, Any] = {"losses": [], "step_tokens_per_s": [], "seconds": 0.0}
     if cfg.resume:
@@ -145,7 +162,8 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,
-        "sample": _sample(cfg, layout, runner) if scheduled and cfg.sample else None,
+        "plan": describe_plan(runner.sch),
+        "sample": _sample(cfg, layout, runner, inputs) if scheduled and cfg.sample else None,
         "parameters": sum(p.numel() for p in runner.model.parameters()),
         "primitives": [str(r) + f" @ {r.path}" for r in runner.sch.metadata.primitives],
         "checkpointed_layers": sum(r.name == "checkpoint" for r in runner.sch.metadata.primitives),
@@ -166,12 +184,17 @@ def run_once(cfg: TrainConfig, layout: Layout, scheduled: bool, label: str) -> d
 SAMPLED_TARGETS = ("eager", "ddp")
 
 
-def _sample(cfg: TrainConfig, layout: Layout, runner: Runner) -> list[str] | None:
+def _sample(
+    cfg: TrainConfig, layout: Layout, runner: Runner, inputs: RunInputs
+) -> list[str] | None:
     """Text the trained model writes (rank 0; None on other ranks and targets that shard or
     stream the weights)."""
     if layout.rank != 0 or cfg.target not in SAMPLED_TARGETS or cfg.tp > 1:
         return None
-    return sample_text(runner.sch.mod, cfg.model, seed=cfg.seed)
+    family = cfg.model if inputs.source.kind == "family" else "causal"
+    return sample_text(
+        runner.sch.mod, family, seed=cfg.seed, tokenizer=inputs.tokenizer, prompt=inputs.prompt
+    )
 
 
 def _tokens_per_s(step_tps: list[float]) -> float:
@@ -210,25 +233,27 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         3
     """
     cfg.check()
+    inputs = prepare_inputs(cfg)  # every input checked before anything is built or written
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KNOWN_NOTICE)
     started_group = not dist.is_initialized()
     try:
         layout = setup_layout(cfg)
         runs = []
         if cfg.compare:
-            runs.append(
-                run_once(replace(cfg, save=None), layout, scheduled=False, label="unscheduled")
-            )
+            unscheduled = replace(cfg, save=None)
+            runs.append(run_once(unscheduled, layout, False, "unscheduled", inputs))
         elif _short_baseline(cfg):  # a few eager steps: tokens/s and memory, side by side
             short = replace(
                 cfg, steps=min(cfg.baseline_steps, cfg.steps), save=None, resume=None
             )  # fmt: skip
-            runs.append(run_once(short, layout, scheduled=False, label="unscheduled"))
-        runs.append(run_once(cfg, layout, scheduled=not cfg.unscheduled, label="scheduled"))
+            runs.append(run_once(short, layout, False, "unscheduled", inputs))
+        runs.append(run_once(cfg, layout, not cfg.unscheduled, "scheduled", inputs))
     finally:
         if started_group and dist.is_initialized():  # leave the process as we found it
             env.teardown()
-    summary = {"config": asdict(cfg), "world_size": layout.world, **runs[-1]}
+    summary = {
+        "config": asdict(cfg), "world_size": layout.world, **inputs.describe(), **runs[-1]
+    }  # fmt: skip
     if len(runs) > 1:
         summary["baseline"] = runs[0]
     if cfg.output_dir and layout.rank == 0:

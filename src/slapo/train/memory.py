@@ -190,7 +190,7 @@ def estimate_config(
             group = ctx.enter_context(fake_process_group(cfg.tp, rank))
             layout = Layout(rank=rank, world=cfg.tp, tp_group=group)
         with init_empty_weights():
-            model = build_model(cfg)
+            model = build_model(cfg, weights=False)  # a model directory's weights stay unread
         model.train()
         sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
         if optimizer is None:

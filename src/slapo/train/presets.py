@@ -38,8 +38,11 @@ class ModelChoice(Protocol):
     seq_len: int
 
 
-def build_model(cfg: ModelChoice) -> nn.Module:
-    """A ``cfg.model`` model of size ``cfg.preset`` from a config, with random weights.
+def build_model(cfg: ModelChoice, weights: bool = True) -> nn.Module:
+    """A ``cfg.model`` model of size ``cfg.preset`` from a config, with random weights; or, for
+    a transformers model type or a model directory, the model
+    :mod:`~slapo.train.model_source` builds (a directory's weights loaded unless not
+    ``weights``: then it stays on the meta device).
 
     Example:
         >>> model = build_model(TrainConfig(model="gpt2", preset="tiny"))
@@ -47,7 +50,11 @@ def build_model(cfg: ModelChoice) -> nn.Module:
     import transformers as tf  # deferred: transformers takes seconds to import
 
     if cfg.model not in MODELS:
-        raise SlapoError(f"model must be one of {MODELS}, got {cfg.model!r}")
+        from .model_source import config_for, load_model, resolve_model  # (imports this module)
+
+        source = resolve_model(cfg.model)
+        config = config_for(source, cfg.preset, cfg.seq_len, getattr(cfg, "tokenizer", None))
+        return load_model(source, config, weights=weights)
     if cfg.preset not in PRESETS:
         raise SlapoError(f"preset must be one of {sorted(PRESETS)}, got {cfg.preset!r}")
     hidden, layers, heads, kv_heads, inter = PRESETS[cfg.preset]

@@ -134,6 +134,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         memory = runs[1]["peak_memory_mb"] / runs[0]["peak_memory_mb"]
         lines.append(f"{'scheduled / unscheduled':<{width}}  {speed:.2f}x tokens/s, "
                      f"{memory:.2f}x peak memory")  # fmt: skip
+    if summary.get("data"):
+        count = f", {summary['tokens']:,} tokens" if summary.get("tokens") else ""
+        lines.append(f"data: {summary['data']} ({summary['tokenizer']} tokenizer{count})")
+    if summary.get("plan"):
+        lines.append(f"plan: {summary['plan']}")
     if summary.get("knobs"):
         knobs = ", ".join(f"{k}={v}" for k, v in summary["knobs"].items() if k != "group")
         lines.append(f"schedule: {knobs}")

@@ -1,7 +1,8 @@
 """A few lines of text from a trained model of the main job: what the loss curve bought.
 
-Causal families continue a prompt; BERT fills in the masked bytes of a line of the corpus; T5
-(trained to copy its input) reproduces one.
+Causal models continue a prompt (``def ``, or the beginning of ``--data``), in the run's
+tokens; BERT fills in the masked bytes of a line of the corpus; T5 (trained to copy its input)
+reproduces one.
 
 Example:
     >>> lines = sample_text(model, "llama", seed=0)
@@ -14,7 +15,8 @@ import torch
 from torch import nn
 
 from ..data import MASK_ID, default_corpus
-from .presets import CAUSAL
+from .model_source import max_positions
+from .tokenizer import ByteTokenizer, Tokenizer, render_bytes
 
 __all__ = ["PROMPT", "sample_text"]
 
@@ -23,15 +25,8 @@ PROMPT = b"def "
 
 
 def _text(ids: torch.Tensor) -> str:
-    """Bytes as text, one character per byte: the mask shows as ``_``, any other byte that is
-    not printable ASCII (or a newline or tab) as ``?``."""
-    chars = []
-    for i in ids.tolist():
-        c = chr(i)
-        chars.append(
-            "_" if i == MASK_ID else c if c.isascii() and (c.isprintable() or c in "\n\t") else "?"
-        )
-    return "".join(chars)
+    """Bytes as text, one character per byte (:func:`~slapo.train.tokenizer.render_bytes`)."""
+    return render_bytes(ids.tolist())
 
 
 def _corpus_line(length: int, seed: int) -> torch.Tensor:
@@ -43,11 +38,20 @@ def _corpus_line(length: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sample_text(model: nn.Module, family: str, seed: int = 0, new_tokens: int = 160) -> list[str]:
-    """Text from ``model`` (a transformers model of the main job's ``family``), as lines.
+def sample_text(
+    model: nn.Module,
+    family: str,
+    seed: int = 0,
+    new_tokens: int = 160,
+    tokenizer: Tokenizer | None = None,
+    prompt: list[int] | None = None,
+) -> list[str]:
+    """Text from ``model`` (a transformers model of the main job's ``family``, or ``"causal"``
+    for any causal LM), as lines.
 
-    Sampling (temperature 0.8, top-k 40) is seeded with ``seed``; the model is put back in the
-    train/eval mode it was in.
+    A causal model continues ``prompt`` (ids; default ``def `` in bytes), decoded with
+    ``tokenizer`` (default: one token per byte). Sampling (temperature 0.8, top-k 40) is seeded
+    with ``seed``; the model is put back in the train/eval mode it was in.
 
     Example:
         >>> sample_text(build_model(TrainConfig(model="gpt2")), "gpt2", new_tokens=8)[0][:4]
@@ -57,21 +61,22 @@ def sample_text(model: nn.Module, family: str, seed: int = 0, new_tokens: int = 
     was_training = model.training
     model.eval()
     try:
-        if family in CAUSAL:
-            prompt = torch.tensor([list(PROMPT)], device=device)
-            config = model.config
-            positions = getattr(config, "max_position_embeddings", None) or config.n_positions
-            new_tokens = min(new_tokens, positions - len(PROMPT))
+        if family not in ("bert", "t5"):
+            tokenizer = tokenizer or ByteTokenizer()
+            ids = list(PROMPT) if prompt is None else prompt
+            positions = max_positions(model.config)
+            if positions is not None:
+                new_tokens = min(new_tokens, positions - len(ids))
             generator_state = torch.random.get_rng_state()
             torch.manual_seed(seed)
             try:
                 out = model.generate(
-                    prompt, max_new_tokens=new_tokens, do_sample=True, temperature=0.8,
-                    top_k=40, use_cache=True, pad_token_id=0,
+                    torch.tensor([ids], device=device), max_new_tokens=new_tokens,
+                    do_sample=True, temperature=0.8, top_k=40, use_cache=True, pad_token_id=0,
                 )  # fmt: skip
             finally:
                 torch.random.set_rng_state(generator_state)
-            return _text(out[0]).splitlines()
+            return tokenizer.decode(out[0].tolist()).splitlines()
         line = _corpus_line(min(new_tokens, 96), seed).to(device)
         if family == "bert":
             gen = torch.Generator().manual_seed(seed)
