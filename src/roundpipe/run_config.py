@@ -7,9 +7,9 @@ from typing import Any, Literal
 
 import torch
 
-from .batch import check_spec, is_spec
 from .device import get_num_devices
 from .scheduler import ModelExecutePlan
+from .split_spec import check_spec, is_spec
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]
 

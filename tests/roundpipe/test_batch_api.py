@@ -454,7 +454,7 @@ def test_grad_scaler_update_follows_torch(two_devices, step_async, update_async)
         scaler.update(is_async="no")
 
 
-@pytest.mark.parametrize("name", ["batch", "grad_scaler", "run_config"])
+@pytest.mark.parametrize("name", ["batch", "grad_scaler", "run_config", "split_spec"])
 def test_docstring_examples(two_devices, name):
     import doctest
     import importlib
