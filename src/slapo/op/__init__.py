@@ -6,16 +6,25 @@ Example:
     >>> y = act(torch.randn(2, 16))
 """
 
-from .attention import ATTENTION_IMPLS, SDPAttention, attention, register_transformers_attention
+from .attention import (
+    ATTENTION_IMPLS,
+    FlashAttentionOp,
+    SDPAttention,
+    attention,
+    register_transformers_attention,
+)
 from .cross_entropy import LinearCrossEntropy, linear_cross_entropy
-from .mlp import BiasDropoutResidual, FusedBiasGELU, bias_gelu
+from .mlp import MLP_ACTIVATIONS, BiasDropoutResidual, FusedBiasGELU, FusedMLP, bias_gelu
 from .print import Print
 
 __all__ = [
     "ATTENTION_IMPLS",
     "BiasDropoutResidual",
+    "FlashAttentionOp",
     "FusedBiasGELU",
+    "FusedMLP",
     "LinearCrossEntropy",
+    "MLP_ACTIVATIONS",
     "Print",
     "SDPAttention",
     "attention",

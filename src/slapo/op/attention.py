@@ -17,9 +17,25 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..exceptions import SlapoError
 
-__all__ = ["ATTENTION_IMPLS", "attention", "SDPAttention", "register_transformers_attention"]
+__all__ = [
+    "ATTENTION_IMPLS",
+    "attention",
+    "FlashAttentionOp",
+    "SDPAttention",
+    "register_transformers_attention",
+]
 
 ATTENTION_IMPLS = ("auto", "eager", "sdpa", "flash")
+
+# Slapo's kernel names for FlashAttentionOp: its flash kernels (xformers', triton's, the CUDA
+# package's) are all served by torch's flash backend where it applies, else by SDPA ("auto").
+_SLAPO_ATTENTION_OPS = {
+    "cuda": "auto",
+    "triton": "auto",
+    "native_flash": "auto",
+    "native_xformers": "auto",
+    "flash_attn": "auto",
+}
 
 
 def _eager(
@@ -114,6 +130,50 @@ class SDPAttention(nn.Module):
     ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         return attention(q, k, v, mask, p, self.is_causal, impl=self.impl)
+
+
+class FlashAttentionOp(nn.Module):
+    """Slapo's attention op: FlashAttention where the GPU runs it (CUDA, fp16/bf16, no explicit
+    mask), else torch SDPA; the module form of :func:`attention`.
+
+    ``forward(query, key, value, attention_mask=None, p=0.0)`` over ``(batch, heads, seq,
+    head_dim)`` tensors; ``p`` (dropout) applies in training mode only. ``attn_op_name``: one of
+    :data:`ATTENTION_IMPLS` or a Slapo kernel name (``"cuda"``, ``"triton"``, ``"native_flash"``,
+    ``"native_xformers"``: all ``"auto"`` here). ``apply_causal_mask`` masks future positions.
+
+    Example:
+        >>> op = FlashAttentionOp("cuda", apply_causal_mask=True)
+        >>> op(*[torch.randn(1, 2, 4, 8)] * 3).shape
+        torch.Size([1, 2, 4, 8])
+    """
+
+    def __init__(
+        self,
+        attn_op_name: str = "auto",
+        apply_causal_mask: bool = False,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        impl = _SLAPO_ATTENTION_OPS.get(attn_op_name, attn_op_name)
+        if impl not in ATTENTION_IMPLS:
+            known = (*ATTENTION_IMPLS, *_SLAPO_ATTENTION_OPS)
+            raise SlapoError(f"attn_op_name must be one of {known}, got {attn_op_name!r}")
+        self.impl = impl
+        self.apply_causal_mask = apply_causal_mask
+        self.scale = scale
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        p: float = 0.0,
+    ) -> torch.Tensor:
+        p = p if self.training else 0.0
+        return attention(
+            query, key, value, attention_mask, p, self.apply_causal_mask, self.scale, self.impl
+        )
 
 
 def _transformers_attention(

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["bias_gelu", "FusedBiasGELU", "BiasDropoutResidual"]
+__all__ = ["bias_gelu", "FusedBiasGELU", "BiasDropoutResidual", "FusedMLP", "MLP_ACTIVATIONS"]
 
 
 def bias_gelu(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -73,3 +73,61 @@ class BiasDropoutResidual(nn.Module):
         self, x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor
     ) -> torch.Tensor:
         return self._fn(x, bias, residual, self.p, self.training)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# The activations of FusedMLP, by the names transformers configs use.
+MLP_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def _bias_act(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    return MLP_ACTIVATIONS[activation](x if bias is None else x + bias)
+
+
+class FusedMLP(nn.Module):
+    """``dropout(fc_out(act(fc_in(x))))``, the bias add and activation compiled into one kernel.
+
+    ``fc_in`` and ``fc_out`` are plain ``nn.Linear`` layers (shardable, and their state dict is
+    that of a two-Linear MLP); ``fc_in``'s matmul runs alone and its bias joins the activation.
+    ``activation``: a name of :data:`MLP_ACTIVATIONS`; ``dropout`` follows ``train()``/``eval()``.
+
+    Example:
+        >>> mlp = FusedMLP(8, 32, activation="gelu_new", compiler=None)
+        >>> mlp(torch.randn(2, 8)).shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "gelu",
+        bias: bool = True,
+        dropout: float = 0.0,
+        compiler: str | None = "inductor",
+    ) -> None:
+        super().__init__()
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(
+                f"FusedMLP activation must be one of {sorted(MLP_ACTIVATIONS)}, got {activation!r}"
+            )
+        self.fc_in = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.fc_out = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
+        self.dropout = nn.Dropout(dropout)
+        self._fn = torch.compile(_bias_act, backend=compiler) if compiler else _bias_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._fn(F.linear(x, self.fc_in.weight), self.fc_in.bias, self.activation)
+        return self.dropout(self.fc_out(h))

@@ -30,6 +30,9 @@ def trace_schedule(
     flatten: bool = False,
     tracer: str | None = None,
     concrete_args: dict[str, Any] | None = None,
+    recursive: bool = True,
+    leaf_modules: Leaves | None = None,
+    config: Any = None,
 ) -> fx.GraphModule:
     """Trace the module of schedule ``sch`` in place and rebuild its child schedules.
 
@@ -47,6 +50,9 @@ def trace_schedule(
     """
     mod = sch.mod
     if isinstance(mod, fx.GraphModule):
+        if leaf_modules is not None:
+            check_leaves(mod, leaf_modules, sch.path)
+            leaves = [*leaves, *leaf_modules]
         check_leaves(mod, leaves, sch.path)
         if flatten:
             inline_submodules(mod, leaves)
@@ -65,6 +71,9 @@ def trace_schedule(
         flatten=flatten,
         tracer=tracer,
         concrete_args=concrete_args,
+        recursive=recursive,
+        leaf_modules=leaf_modules,
+        config=config,
         path=sch.path,
         infer_inputs=lambda: _infer_inputs(sch),
     )
@@ -123,7 +132,10 @@ class TracePrimitive(Primitive):
     are otherwise captured by running the root model on
     ``create_schedule(model, example_inputs=...)`` or on a transformers model's
     ``dummy_inputs``. ``tracer``: ``"fx"``/``"pytorch"``, ``"export"``/``"dynamo"``,
-    ``"huggingface"`` or ``"auto"`` (both: fx first). Dropout keeps following
+    ``"huggingface"`` or ``"auto"`` (both: fx first). Slapo's options are accepted too:
+    ``leaf_modules`` (joined to ``leaves``), ``recursive=False`` (direct children stay leaves:
+    only this module's forward is traced), ``concrete_args`` (for fx) and ``config`` (unused: our
+    tracers need no config-made dummy inputs). Dropout keeps following
     ``train()``/``eval()``. ``find``, ``fuse``, partial ``replace``/``checkpoint`` trace by need.
 
     Example:
@@ -143,6 +155,9 @@ class TracePrimitive(Primitive):
         tracer: str | None = None,
         concrete_args: dict[str, Any] | None = None,
         example_inputs: Any = None,
+        recursive: bool = True,
+        leaf_modules: Leaves | None = None,
+        config: Any = None,
     ) -> fx.GraphModule:
         return trace_schedule(
             sch,
@@ -151,4 +166,7 @@ class TracePrimitive(Primitive):
             flatten=flatten,
             tracer=tracer,
             concrete_args=concrete_args,
+            recursive=recursive,
+            leaf_modules=leaf_modules,
+            config=config,
         )

@@ -63,6 +63,9 @@ def trace_module(
     flatten: bool = False,
     tracer: str | None = None,
     concrete_args: dict[str, Any] | None = None,
+    recursive: bool = True,
+    leaf_modules: Leaves | None = None,
+    config: Any = None,
     path: str = "",
     infer_inputs: Callable[[], Any] | None = None,
 ) -> fx.GraphModule:
@@ -81,7 +84,15 @@ def trace_module(
             otherwise fx, which needs no inputs, then torch.export where fx fails, e.g. on
             transformers layers), ``"fx"``/``"pytorch"`` (symbolic tracing),
             ``"export"``/``"dynamo"`` (torch.export), ``"huggingface"`` (like ``"auto"``).
-        concrete_args: passed to fx symbolic tracing.
+        concrete_args: passed to fx symbolic tracing. With ``"huggingface"`` or ``"auto"``, fx
+            gets them and, where fx still fails, torch.export traces without them (it fixes
+            every non-tensor input to the captured value anyway).
+        recursive: ``False`` keeps every direct child a leaf: only this module's own forward
+            is traced (so ``flatten`` has nothing to inline). Slapo's option of that name.
+        leaf_modules: Slapo's name for ``leaves``; the two lists are joined.
+        config: Slapo's Hugging Face tracer takes the model config to make dummy inputs; it is
+            accepted and ignored here, as fx needs no inputs and torch.export captures real
+            ones (``example_inputs``, the root's inputs or ``dummy_inputs``).
         path: the module's path, used in error messages and in the log.
         infer_inputs: called for example inputs when torch.export needs some and none were
             given (the schedule captures them from the root's); else ``mod.dummy_inputs``.
@@ -96,12 +107,16 @@ def trace_module(
         (True, ['0', '1', '2'])
     """
     mod = model  # the reference API names the argument ``model``: trace_module(model=...)
+    del config  # accepted for Slapo's signature; see the docstring
     method = resolve_tracer(tracer, example_inputs, path)
-    if concrete_args is not None:
-        if method == "export":
-            raise TraceError("concrete_args only applies to tracer='fx'")
-        method = "fx"
+    if concrete_args is not None and method == "export":
+        raise TraceError("concrete_args only applies to tracer='fx', 'huggingface' or 'auto'")
     check_leaves(mod, leaves, path)
+    if leaf_modules is not None:
+        check_leaves(mod, leaf_modules, path)
+        leaves = [*leaves, *leaf_modules]
+    if not recursive:  # every direct child stays a call of the original module
+        leaves = [*leaves, *(re.escape(name) for name, _ in mod.named_children())]
     start = time.perf_counter()
     inline = [n for n, m in mod.named_modules() if getattr(m, "_slapo_inline_when_traced", False)]
     with _train_mode(mod):
@@ -148,7 +163,7 @@ def _capture(
         except TraceError as exc:
             fx_reason = _reason(exc)
     try:
-        if example_inputs is None:
+        if example_inputs is None:  # concrete_args are for fx only: export fixes non-tensors
             example_inputs = _find_inputs(mod, path, infer_inputs)
         args, kwargs = call_args(example_inputs)
         return "export", export_module(mod, args, kwargs, leaves, path), fx_reason

@@ -111,7 +111,7 @@ def _fix_leaf_calls(top: nn.Module, path: str) -> None:
             continue
         sources = {
             a.args[0].args[0]
-            for a in node.kwargs.values()
+            for a in (*node.args, *node.kwargs.values())  # kwargs-free calls pass args only
             if isinstance(a, fx.Node)
             and a.target is operator.getitem
             and isinstance(a.args[0], fx.Node)
