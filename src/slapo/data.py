@@ -51,7 +51,22 @@ def default_corpus(max_bytes: int = 4_000_000) -> bytes:
     return corpus
 
 
-class ByteBatches:
+class _SeededBatches:
+    """Batches drawn with one seeded generator; its state is the whole resume state."""
+
+    def __init__(self, batch_size: int, seq_len: int, seed: int) -> None:
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+class ByteBatches(_SeededBatches):
     """Random windows of a byte corpus as ``(input_ids, labels)`` batches, reproducible by seed.
 
     ``labels`` equal ``input_ids``: transformers causal-LM models shift them internally.
@@ -66,10 +81,8 @@ class ByteBatches:
     def __init__(self, corpus: bytes, batch_size: int, seq_len: int, seed: int = 0) -> None:
         if len(corpus) <= seq_len:
             raise ValueError(f"corpus of {len(corpus)} bytes is shorter than seq_len={seq_len}")
+        super().__init__(batch_size, seq_len, seed)
         self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> dict[str, torch.Tensor]:
         starts = torch.randint(
@@ -77,12 +90,6 @@ class ByteBatches:
         )
         ids = torch.stack([self.tokens[s : s + self.seq_len] for s in starts.tolist()])
         return {"input_ids": ids, "labels": ids.clone()}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["generator"])
 
 
 class MaskedByteBatches(ByteBatches):
@@ -120,7 +127,7 @@ def _mask(
     }
 
 
-class TokenBatches:
+class TokenBatches(_SeededBatches):
     """Batches of a token stream packed into ``seq_len`` windows, drawn at random (with
     replacement), reproducible by seed; ``labels`` equal ``input_ids`` as in :class:`ByteBatches`.
 
@@ -137,22 +144,14 @@ class TokenBatches:
         self.windows = len(tokens) // seq_len
         if self.windows < 1:
             raise ValueError(f"{len(tokens)} tokens are fewer than seq_len={seq_len}")
+        super().__init__(batch_size, seq_len, seed)
         self.tokens = tokens
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> dict[str, torch.Tensor]:
         picks = torch.randint(0, self.windows, (self.batch_size,), generator=self.generator)
         n = self.seq_len
         ids = torch.stack([self.tokens[w * n : (w + 1) * n] for w in picks.tolist()]).long()
         return {"input_ids": ids, "labels": ids.clone()}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"generator": self.generator.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.generator.set_state(state["generator"])
 
 
 class MaskedTokenBatches(TokenBatches):
