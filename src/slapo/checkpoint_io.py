@@ -133,9 +133,15 @@ def _same_everywhere(entries: list[Any], what: str) -> None:
 
 # ----- full tensors -----------------------------------------------------------------------------
 def _param_specs(model: nn.Module) -> dict[str, ShardSpec]:
+    """The spec of every sharded tensor by state-dict name: parameters, and the buffers cut with
+    them (a channel-sharded BatchNorm's running statistics)."""
     specs = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        spec = get_shard_spec(param)
+    named = [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+    for name, tensor in named:
+        spec = get_shard_spec(tensor)
         if spec is not None:
             specs[name] = spec
     return specs

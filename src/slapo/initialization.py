@@ -111,6 +111,7 @@ def materialize_module(
                 continue
             if id(buf) not in memo:
                 memo[id(buf)] = torch.zeros_like(buf, device=device)
+                memo[id(buf)].__dict__.update(buf.__dict__)  # a sharded buffer keeps its spec
             module._buffers[name] = memo[id(buf)]
             changed = True
         if changed:

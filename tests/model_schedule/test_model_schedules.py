@@ -14,6 +14,7 @@ from slapo.model_schedule import (
     apply_schedule,
     helpers,
     list_families,
+    recommended_knobs,
     register_schedule,
     tuning_space,
 )
@@ -27,10 +28,10 @@ FUSIBLE = {"gpt2", "bert"}
 # recompute reruns the same kernels under the restored RNG state). New kernels (attention, fused
 # loss, fused ops) sum in another order: float32 tolerance, without dropout.
 KNOBS = [
-    ({}, True),
+    ({"ckpt_ratio": 0.0}, True),  # the plan alone (no knobs at all is the recommended schedule)
     ({"ckpt_ratio": 0.5}, True),
     ({"ckpt_ratio": 1.0}, True),
-    ({"num_stages": 2}, True),
+    ({"num_stages": 2, "ckpt_ratio": 0.0}, True),
     ({"attn_op": "eager"}, False),
     ({"attn_op": "sdpa"}, False),
     ({"fused_loss": True}, False),
@@ -50,6 +51,21 @@ def test_schedule_keeps_loss_and_gradients(family, knobs, exact):
     sch = apply_schedule(test, **knobs)
     assert sch.extra["model_schedule"]["family"] == family
     H.assert_same_step(ref, test, exact=exact)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_knobs_means_the_recommended_schedule(family):
+    sch = apply_schedule(H.make(family))
+    info = sch.extra["model_schedule"]
+    assert info["recommended"] and info["plan"] == "ready"
+    for name, value in recommended_knobs(family).items():
+        assert info[name] == value, name
+
+
+def test_any_knob_means_exact_control():
+    info = apply_schedule(H.make("llama"), ckpt_ratio=0.5).extra["model_schedule"]
+    assert not info["recommended"]
+    assert (info["compile_model"], info["ckpt_policy"], info["attn_op"]) == (False, None, None)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -159,14 +175,14 @@ def test_bad_input_gets_clear_errors():
         apply_schedule(model, num_stages=0)
     with pytest.raises(SlapoError, match="sequence_parallel=True needs tensor parallelism"):
         apply_schedule(model, sequence_parallel=True)
-    with pytest.raises(SlapoError, match="fuse_ops: llama has nothing to fuse"):
+    with pytest.raises(SlapoError, match="llama: fuse_ops is not supported: .*nothing to fuse"):
         apply_schedule(model, fuse_ops=True)
     with pytest.raises(SlapoError, match="fused_loss must be True or False"):
         apply_schedule(model, fused_loss="yes")
     if not torch.cuda.is_available():
         with pytest.raises(SlapoError, match="attn_op='flash' needs CUDA"):
             apply_schedule(model, attn_op="flash")
-    with pytest.raises(SlapoError, match="no config.model_type"):
+    with pytest.raises(SlapoError, match="the generic plan found no blocks in Linear"):
         apply_schedule(torch.nn.Linear(2, 2))
 
 

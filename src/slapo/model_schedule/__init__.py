@@ -1,30 +1,59 @@
-"""Ready schedules for model families: one short, top-to-bottom plan per family.
+"""Ready schedules for model families, and the generic plan for every other model.
 
 ``apply_schedule(model, **knobs)`` picks the plan from ``model.config.model_type``: gpt2, llama
-(also mistral, qwen2, qwen3), bert (also roberta), opt, t5. Every knob is also a tuning symbol
-(:func:`tuning_space`), so ``slapo tune`` explores them.
+(also mistral, qwen2, qwen3), bert (also roberta), opt, t5; any other model gets the generic
+plan (its blocks found from ``_no_split_modules``, tensor parallelism from its own
+``base_model_tp_plan`` or inferred). Every plan applies its concerns in one order: tensor
+parallelism (a :class:`TPPlan`, data applied by :func:`apply_tp_plan`), the attention kernel,
+checkpointing, compilation, pipeline cuts (``helpers.apply_shared_knobs``). With no knobs it is
+the recommended schedule. Every knob is also a tuning symbol (:func:`tuning_space`).
 
 Example:
     >>> from slapo.model_schedule import apply_schedule
-    >>> sch = apply_schedule(model, ckpt_ratio=0.5)       # or apply_schedule(model, "llama", ...)
-    >>> sch = apply_schedule(model, **recommended_knobs("llama"))  # the best measured on CPU
+    >>> sch = apply_schedule(model)                        # the recommended schedule
+    >>> sch = apply_schedule(model, ckpt_ratio=0.5)        # exactly this, nothing else
+    >>> sch = apply_schedule(model, group=tp_group)        # recommended, tensor-parallel
     >>> model, optimizer = slapo.build(sch, init_weights=False)
 """
 
 from __future__ import annotations
 
-from . import bert, gpt2, llama, opt, t5  # noqa: F401  (registration)
-from .knobs import ATTN_OPS, CKPT_POLICIES, CPU_DEFAULTS, Knobs, recommended_knobs
-from .registry import apply_schedule, get_schedule, list_families, register_schedule
+from . import (  # noqa: F401  (registration)
+    bert,
+    gpt2,
+    llama,
+    opt,
+    t5,
+    wideresnet,  # noqa: F401  (registration)
+)
+from .generic import GENERIC_KNOBS, find_blocks, infer_plan
+from .knobs import ATTN_OPS, CKPT_POLICIES, CPU_DEFAULTS, LAYOUT_KNOBS, Knobs, recommended_knobs
+from .registry import (
+    apply_schedule,
+    family_limits,
+    get_schedule,
+    list_families,
+    register_schedule,
+)
 from .space import tuning_space, update_space
+from .tp_plan import STYLES, TPPlan, apply_tp_plan, from_hf_plan
 
 __all__ = [
     "ATTN_OPS",
     "CKPT_POLICIES",
     "CPU_DEFAULTS",
+    "GENERIC_KNOBS",
+    "LAYOUT_KNOBS",
+    "STYLES",
     "Knobs",
+    "TPPlan",
     "apply_schedule",
+    "apply_tp_plan",
+    "family_limits",
+    "find_blocks",
+    "from_hf_plan",
     "get_schedule",
+    "infer_plan",
     "list_families",
     "recommended_knobs",
     "register_schedule",

@@ -5,28 +5,50 @@ from __future__ import annotations
 
 from ..schedule import Schedule
 from .fusion import fuse_bias_dropout_residual, fuse_bias_gelu
-from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
+from .helpers import apply_shared_knobs, blocks, require
 from .knobs import Knobs
 from .registry import register_schedule
+from .tp_plan import TPPlan, apply_tp_plan
 
 
-@register_schedule("bert", "roberta")
+def bert_plan(prefix: str) -> TPPlan:
+    """The plan of a BERT encoder under ``prefix`` ("bert.", "roberta." or ""): the self
+    attention's q/k/v and the intermediate projection split by columns, the two output
+    projections by rows; the self attention keeps its global head count, divided.
+
+    Example:
+        >>> bert_plan("bert.").styles["bert.encoder.layer.*.intermediate.dense"]
+        'colwise'
+    """
+    layer = f"{prefix}encoder.layer.*"
+    return TPPlan(
+        {
+            f"{layer}.attention.self.query": "colwise",
+            f"{layer}.attention.self.key": "colwise",
+            f"{layer}.attention.self.value": "colwise",
+            f"{layer}.attention.output.dense": "rowwise",
+            f"{layer}.intermediate.dense": "colwise",
+            f"{layer}.output.dense": "rowwise",
+        },
+        divide={f"{layer}.attention.self": ("num_attention_heads", "all_head_size")},
+    )
+
+
+@register_schedule(
+    "bert",
+    "roberta",
+    unsupported={
+        "sequence_parallel": "its norms sit inside the output modules, beside the row-parallel "
+        "projections, where the sequence would have to be split",
+    },
+)
 def bert(sch: Schedule, k: Knobs) -> None:
     """The BERT plan (``BertForMaskedLM``, ``RobertaForMaskedLM``, or the bare encoder)."""
     base = next(p for p in ("bert", "roberta", "") if p in sch.child or p == "")
     pre = f"{base}." if base else ""
     layers = blocks(sch, f"{pre}encoder.layer")
-    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
     if k.tensor_parallel:
-        for blk in layers:
-            for proj in ("query", "key", "value"):
-                column(sch, f"{blk}.attention.self.{proj}")
-            row(sch, f"{blk}.attention.output.dense")
-            enter(sch, f"{blk}.attention.self")
-            divide_attrs(sch, f"{blk}.attention.self", "num_attention_heads", "all_head_size")
-            column(sch, f"{blk}.intermediate.dense")
-            row(sch, f"{blk}.output.dense")
-            enter(sch, f"{blk}.intermediate")
+        apply_tp_plan(sch, bert_plan(pre), layers)
     if k.fuse_ops:
         for blk in layers:
             fuse_bias_gelu(

@@ -12,7 +12,14 @@ from ..exceptions import SlapoError
 from ..primitives.compile_rng import RNG_MODES
 from ..sharding import resolve_group
 
-__all__ = ["Knobs", "ATTN_OPS", "CKPT_POLICIES", "CPU_DEFAULTS", "recommended_knobs"]
+__all__ = [
+    "Knobs",
+    "ATTN_OPS",
+    "CKPT_POLICIES",
+    "CPU_DEFAULTS",
+    "LAYOUT_KNOBS",
+    "recommended_knobs",
+]
 
 ATTN_OPS = ("eager", "sdpa", "flash")
 #: ``ckpt_policy`` values: "full" recomputes the whole block; the others are selective
@@ -21,6 +28,9 @@ ATTN_OPS = ("eager", "sdpa", "flash")
 #: "save_narrow_matmuls" also recomputes the widening linear layers (MLP up/gate);
 #: "save_attention" recomputes every linear layer.
 CKPT_POLICIES = ("full", "save_matmuls", "save_narrow_matmuls", "save_attention")
+#: The knobs that say how the model is laid out over devices, not how it is optimized: given
+#: alone to ``apply_schedule``, the recommended optimization knobs still apply.
+LAYOUT_KNOBS = ("group", "sequence_parallel", "num_stages")
 
 
 @dataclass(frozen=True)
@@ -143,6 +153,8 @@ CPU_DEFAULTS: dict[str, dict[str, Any]] = {
     "bert": _SELECTIVE,
     "opt": {**_SELECTIVE, "ckpt_policy": "save_narrow_matmuls", "fused_loss": True},
     "t5": {**_SELECTIVE, "ckpt_ratio": 0.75},
+    # not measured yet: half of the blocks fully recomputed, as the generic plan does
+    "wideresnet": {"ckpt_ratio": 0.5},
 }
 
 

@@ -3,49 +3,42 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .helpers import (
-    apply_shared_knobs,
-    blocks,
-    column,
-    enter,
-    per_head_norms,
-    replicated,
-    require,
-    row,
-    tp_size,
-)
+from .helpers import apply_shared_knobs, blocks, per_head_norms
 from .knobs import Knobs
 from .registry import register_schedule
+from .tp_plan import TPPlan, apply_tp_plan
+
+#: Megatron's plan: q/k/v (Qwen2 gives them a bias) and gate/up split by columns, the outputs by
+#: rows; K/V heads must divide by the TP size.
+LLAMA_PLAN = TPPlan(
+    {
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+    }
+)
 
 
-@register_schedule("llama", "mistral", "qwen2", "qwen3")
+@register_schedule(
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    unsupported={
+        "fuse_ops": "its MLP is SiLU-gated and bias-free, its residuals carry no bias: nothing "
+        "to fuse",
+    },
+)
 def llama(sch: Schedule, k: Knobs) -> None:
-    """The Llama plan (``LlamaForCausalLM`` and look-alikes); K/V heads must divide by TP size."""
+    """The Llama plan (``LlamaForCausalLM`` and look-alikes)."""
     layers = blocks(sch, "model.layers")
-    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
-    require(
-        not k.fuse_ops,
-        "fuse_ops: llama has nothing to fuse (its MLP is SiLU-gated and "
-        "bias-free, its residuals carry no bias)",
-    )
     if k.tensor_parallel:
-        world = tp_size(sch)
-        for heads in ("num_attention_heads", "num_key_value_heads"):
-            count = getattr(sch.mod.config, heads)
-            require(
-                count % world == 0,
-                f"tensor parallelism over {world} ranks would split a head: config.{heads} = "
-                f"{count} does not divide by {world}; use a group size that divides it",
-            )
-        for blk in layers:
-            for proj in ("q_proj", "k_proj", "v_proj"):  # Qwen2 gives these a bias
-                column(sch, f"{blk}.self_attn.{proj}")
-            row(sch, f"{blk}.self_attn.o_proj")
-            for norm in per_head_norms(sch, f"{blk}.self_attn"):  # Qwen3's q_norm, k_norm
-                replicated(sch, norm)  # sees this rank's heads: sum its gradient
-            enter(sch, f"{blk}.self_attn")
-            for proj in ("gate_proj", "up_proj"):
-                column(sch, f"{blk}.mlp.{proj}")
-            row(sch, f"{blk}.mlp.down_proj")
-            enter(sch, f"{blk}.mlp")
+        for blk in layers:  # Qwen3's q_norm/k_norm must normalize one head (else: an error)
+            per_head_norms(sch, f"{blk}.self_attn")
+        # the region rule sums the gradients of the per-head norms over the group
+        apply_tp_plan(sch, LLAMA_PLAN, layers, k.sequence_parallel)
     apply_shared_knobs(sch, k, layers, "lm_head", shift=True)

@@ -3,29 +3,38 @@
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
+from .helpers import apply_shared_knobs, blocks
 from .knobs import Knobs
 from .registry import register_schedule
+from .tp_plan import TPPlan, apply_tp_plan
+
+#: fc1/fc2 live in the decoder layer itself: fc1 is entered on its own. OPT's attention keeps
+#: its global head count and width, divided by the TP size.
+OPT_PLAN = TPPlan(
+    {
+        "model.decoder.layers.*.self_attn.q_proj": "colwise",
+        "model.decoder.layers.*.self_attn.k_proj": "colwise",
+        "model.decoder.layers.*.self_attn.v_proj": "colwise",
+        "model.decoder.layers.*.self_attn.out_proj": "rowwise",
+        "model.decoder.layers.*.fc1": "colwise",
+        "model.decoder.layers.*.fc2": "rowwise",
+    },
+    divide={"model.decoder.layers.*.self_attn": ("num_heads", "embed_dim")},
+)
 
 
-@register_schedule("opt")
+@register_schedule(
+    "opt",
+    unsupported={
+        "fuse_ops": "opt has no bias+GELU (its MLP is ReLU) and adds its residuals inside the "
+        "decoder layer's forward",
+        "sequence_parallel": "its MLP sits directly in the decoder layer, with no module of its "
+        "own to gather the sequence at",
+    },
+)
 def opt(sch: Schedule, k: Knobs) -> None:
-    """The OPT plan (``OPTForCausalLM``); fc1/fc2 live in the decoder layer itself."""
+    """The OPT plan (``OPTForCausalLM``)."""
     layers = blocks(sch, "model.decoder.layers")
-    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
-    require(
-        not k.fuse_ops,
-        "fuse_ops: opt has no bias+GELU (its MLP is ReLU) and adds its "
-        "residuals inside the decoder layer's forward",
-    )
     if k.tensor_parallel:
-        for blk in layers:
-            for proj in ("q_proj", "k_proj", "v_proj"):
-                column(sch, f"{blk}.self_attn.{proj}")
-            row(sch, f"{blk}.self_attn.out_proj")
-            enter(sch, f"{blk}.self_attn")
-            divide_attrs(sch, f"{blk}.self_attn", "num_heads", "embed_dim")
-            column(sch, f"{blk}.fc1")
-            row(sch, f"{blk}.fc2")
-            enter(sch, f"{blk}.fc1")
+        apply_tp_plan(sch, OPT_PLAN, layers, k.sequence_parallel)
     apply_shared_knobs(sch, k, layers, "lm_head", shift=True)

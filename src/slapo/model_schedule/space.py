@@ -8,17 +8,14 @@ import torch
 
 from ..tune import Space
 from .knobs import CKPT_POLICIES
+from .registry import family_limits
 
-__all__ = ["tuning_space", "update_space", "FUSIBLE"]
-
-#: Families with a bias+GELU or bias+dropout+residual to fuse.
-FUSIBLE = ("gpt2", "bert", "roberta")
-#: Families with sequence parallelism.
-SEQUENCE_PARALLEL = ("gpt2",)
+__all__ = ["tuning_space", "update_space"]
 
 
 def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 1) -> Space:
-    """Create one symbol per knob that applies to ``family``; returns ``space``.
+    """Create one symbol per knob that applies to ``family`` (a registered model type, or any
+    other for the generic plan); returns ``space``.
 
     The symbol names are ``slapo train``'s flags (``ckpt_ratio`` -> ``--ckpt-ratio``).
 
@@ -36,11 +33,12 @@ def tuning_space(space: Space, family: str, world_size: int = 1, tp_size: int = 
     space.create_symbol(
         "attn_op", ["eager", "sdpa"] + (["flash"] if torch.cuda.is_available() else [])
     )
-    if family in FUSIBLE:
+    limits = family_limits(family)  # what the family declared it cannot do
+    if "fuse_ops" not in limits:
         space.create_symbol("fuse_ops", [False, True])
     if not (family == "gpt2" and tp_size > 1):  # gpt2's TP head is vocabulary-parallel
         space.create_symbol("fused_loss", [False, True])
-    if tp_size > 1 and family in SEQUENCE_PARALLEL:
+    if tp_size > 1 and "sequence_parallel" not in limits:
         space.create_symbol("sequence_parallel", [False, True])
     if world_size > 1:
         space.create_symbol(

@@ -4,17 +4,21 @@ relative position bias is sharded over the heads."""
 from __future__ import annotations
 
 from ..schedule import Schedule
-from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
+from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, row
 from .knobs import Knobs
 from .registry import register_schedule
 
 
-@register_schedule("t5")
+@register_schedule(
+    "t5",
+    unsupported={
+        "sequence_parallel": "not implemented for the encoder-decoder layout",
+        "fuse_ops": "t5 has nothing to fuse (bias-free ReLU MLP)",
+    },
+)
 def t5(sch: Schedule, k: Knobs) -> None:
     """The T5 plan (``T5ForConditionalGeneration``); stages cut the encoder and decoder blocks."""
     layers = blocks(sch, "encoder.block", "decoder.block")
-    require(not k.sequence_parallel, "sequence_parallel is implemented for gpt2 only so far")
-    require(not k.fuse_ops, "fuse_ops: t5 has nothing to fuse (bias-free ReLU MLP)")
     if k.tensor_parallel:
         for blk in layers:
             for layer in sch[f"{blk}.layer"].child.values():

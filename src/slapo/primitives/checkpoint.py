@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -113,6 +114,56 @@ def _without_cache(
     return tuple(args), kwargs
 
 
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _stat_norms(mod: nn.Module) -> list[nn.Module]:
+    """The norms inside ``mod`` that update running statistics in training (BatchNorm)."""
+    return [
+        m
+        for m in mod.modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.training and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _swapped_stats(swaps: list[tuple[nn.Module, dict[str, torch.Tensor]]]) -> Iterator[None]:
+    """Give each norm the buffers of ``swaps`` for the duration; its own come back after."""
+    kept = [(norm, {n: norm._buffers[n] for n in bufs}) for norm, bufs in swaps]
+    for norm, bufs in swaps:
+        norm._buffers.update(bufs)
+    try:
+        yield
+    finally:
+        for norm, bufs in kept:
+            norm._buffers.update(bufs)
+
+
+def _stats_once(forward: Callable[..., Any], norms: list[nn.Module]) -> Callable[..., Any]:
+    """``forward`` for one checkpointed call: its first run (the forward) updates the norms'
+    running statistics, any later one (a recompute in backward) updates copies of them.
+
+    Copies rather than no statistics: the recompute must save the same tensors as the forward
+    (torch checks). They are made here, outside the checkpoint, whose selective mode would
+    count them among the recomputed ops.
+    """
+    scratch = [
+        (norm, {n: t.clone() for n in _RUNNING_STATS if (t := norm._buffers.get(n)) is not None})
+        for norm in norms
+    ]
+    calls = 0
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return forward(*args, **kwargs)
+        with _swapped_stats(scratch):
+            return forward(*args, **kwargs)
+
+    return run
+
+
 def _checkpointed(
     path: str, mod: nn.Module, policy: Callable[..., Any] | None
 ) -> Callable[..., Any]:
@@ -128,6 +179,10 @@ def _checkpointed(
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         args, kwargs = _without_cache(path, positions, args, kwargs, hf_layer, keep_cache)
+        # Compiled, the graph updates the buffers once, however it recomputes.
+        norms = [] if torch.compiler.is_compiling() else _stat_norms(mod)
+        if norms:
+            forward = _stats_once(forward, norms)
         return rng_checkpoint(forward, *args, use_reentrant=False, policy=policy, **kwargs)
 
     return run
@@ -166,6 +221,9 @@ class CheckpointPrimitive(Primitive):
     append to the cache a second time. A layer class that only reads its cache
     (``_can_checkpoint_with_cache = True``) keeps it, as transformers keeps it.
     Under ``torch.no_grad()`` (eval, ``generate``) nothing is checkpointed and the cache works.
+
+    A BatchNorm inside the module updates its running statistics once per step, in the forward:
+    the recompute in backward works on copies of them (torch's checkpoint would update them twice).
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))

@@ -20,7 +20,8 @@ class ShardPrimitive(Primitive):
     Each rank keeps its contiguous slice; the original shape is recorded on the parameter
     (``slapo.sharding.get_shard_spec(param).full_shape``). Known layers follow: ``nn.Linear``
     (``out_features``/``in_features``), transformers' ``Conv1D`` (``nf``/``nx``), ``nn.Embedding``
-    (axis 0 makes it vocabulary-parallel), ``nn.Conv2d`` (channels) and norms. Input-axis sharding
+    (axis 0 makes it vocabulary-parallel), ``nn.Conv2d`` (channels) and norms (a BatchNorm's
+    running statistics are cut to its channels too). Input-axis sharding
     of a layer with a bias adds the bias after the layer's ``fwd_post`` sync. A parameter tied to
     other modules is sharded once, for all of them, and stays tied.
 

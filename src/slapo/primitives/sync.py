@@ -7,7 +7,9 @@ more) or a user function ``fn(tensor, **kwargs) -> tensor``, at one of four poin
 
 * ``fwd_pre``: on the module's main input before forward;
 * ``fwd_post``: on the module's main output after forward;
-* ``bwd_post``: on the gradient of the module's main input, once backward through it is done;
+* ``bwd_post``: on the gradient of the module's main input, once backward through it is done
+  (``inputs="all"``: of every floating-point input, e.g. a mixture of experts' hidden states and
+  routing weights);
 * ``bwd_param``: on the gradient of each of the module's own replicated (unsharded) parameters,
   before it is accumulated. Tensor parallelism needs it for a replicated parameter that consumes
   sharded activations, such as a norm over each attention head between the column-parallel and
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..exceptions import PrimitiveError, SlapoError
@@ -40,7 +43,7 @@ from ..sharding.sync_ops import (
     replace_primary_output,
     sync_group,
 )
-from ..sharding.sync_point import SyncPoint, sync_at
+from ..sharding.sync_point import SyncPoint, is_symbolic, sync_at
 from ..surgery import label
 from ..tracing.hooks import traceable_hook
 
@@ -97,8 +100,14 @@ class SyncPrimitive(Primitive):
         sch: Schedule,
         mode: str = "fwd_post",
         sync_op_or_fn: str | Callable = "all_reduce",
+        *,
+        inputs: str = "main",
         **kwargs: Any,
     ) -> None:
+        if inputs not in ("main", "all"):
+            raise PrimitiveError(
+                f'sync on "{label(sch.path)}": inputs must be "main" or "all", got {inputs!r}'
+            )
         modes = SEED_SYNC_MODES.get(mode, (mode,)) if isinstance(mode, str) else (mode,)
         if any(m not in SYNC_MODES for m in modes):
             raise PrimitiveError(
@@ -106,11 +115,15 @@ class SyncPrimitive(Primitive):
                 + ", ".join(f'"{m}"' for m in SYNC_MODES + tuple(SEED_SYNC_MODES))
             )
         op = _resolve_op(sch, sync_op_or_fn, kwargs)
+        if inputs == "all" and modes != ("bwd_post",):
+            raise PrimitiveError(
+                f'sync on "{label(sch.path)}": inputs="all" goes with mode="bwd_post" only'
+            )
         for one in modes:
-            _register(sch, one, op)
+            _register(sch, one, op, every_input=inputs == "all")
 
 
-def _register(sch: Schedule, mode: str, op: Callable) -> None:
+def _register(sch: Schedule, mode: str, op: Callable, every_input: bool = False) -> None:
     """Hook ``op`` into ``sch.mod`` at the point ``mode`` (one of ``SYNC_MODES``).
 
     The hooks also run when a trace goes through the module (flattened, or a decomposed layer
@@ -139,12 +152,26 @@ def _register(sch: Schedule, mode: str, op: Callable) -> None:
         return
 
     def pre_hook(mod: nn.Module, args: tuple, kw: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        if every_input:  # e.g. experts: the routing weights' gradient is partial as well
+            return _map_float_tensors(args, point), _map_float_tensors(kw, point)
         tensor, put = primary_input(args, kw)
         if tensor is None:
             raise SlapoError(f'sync(mode="{mode}") on "{path}": the module got no tensor input')
         return put(sync_at(tensor, point))
 
     sch.mod.register_forward_pre_hook(traceable_hook(pre_hook), with_kwargs=True)
+
+
+def _map_float_tensors(values: Any, point: SyncPoint) -> Any:
+    """``values`` (a tuple or dict) with ``point`` applied to each floating-point tensor."""
+
+    def one(value: Any) -> Any:
+        floating = isinstance(value, torch.Tensor) and value.is_floating_point()
+        return sync_at(value, point) if floating or is_symbolic(value) else value
+
+    if isinstance(values, dict):
+        return {key: one(value) for key, value in values.items()}
+    return tuple(one(value) for value in values)
 
 
 _HOOK_MODES = {"fw_pre": "fwd_pre", "fw_post": "fwd_post", "bw_post": "bwd_post"}

@@ -10,6 +10,9 @@ changes how the module runs:
   its gradient is the full one on every rank.
 * vocabulary ("row") sharding of an embedding: ids outside this rank's rows give zeros, so a
   ``fwd_post`` all-reduce rebuilds the full lookup.
+* channel sharding of a BatchNorm (or an InstanceNorm with running statistics): each channel is
+  normalized by its own statistics, so the math needs no change, but the running mean and
+  variance buffers are cut to the same channels (they carry the ``ShardSpec`` too).
 
 Modules of other types are sharded as given, with no attribute changes.
 """
@@ -25,7 +28,7 @@ from torch import nn
 
 from ..exceptions import PrimitiveError
 from ..surgery import forward_wraps, is_conv1d, wrap_forward
-from .spec import ShardSpec
+from .spec import SPEC_ATTR, ShardSpec, get_shard_spec
 
 __all__ = ["apply_rule", "apply_after_sync", "is_norm", "ORIG_ATTRS"]
 
@@ -160,6 +163,26 @@ def _norm(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
         _set_attrs(mod, hidden_size=_local(spec))
 
 
+def _batchnorm(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
+    if spec.axis != 0:
+        _bad_axis(mod, name, spec, path, "shard the channels (axis 0)")
+    _set_attrs(mod, num_features=_local(spec))
+    # The weight and the bias are sharded one after the other: the buffers are cut once.
+    for buf in ("running_mean", "running_var"):
+        full = mod._buffers.get(buf)
+        if full is None or get_shard_spec(full) is not None:
+            continue
+        if tuple(full.shape) != spec.full_shape:
+            raise PrimitiveError(
+                f'shard on "{path}" ({type(mod).__name__}): the buffer "{buf}" has shape '
+                f'{tuple(full.shape)}, not that of "{name}" {spec.full_shape}'
+            )
+        with torch.no_grad():
+            local = spec.local_slice(full)
+        setattr(local, SPEC_ATTR, spec)
+        mod._buffers[buf] = local
+
+
 def is_norm(mod: nn.Module) -> bool:
     """Whether ``mod`` is a norm layer (torch's, or a class named ...RMSNorm or ...LayerNorm)."""
     norm_types = (nn.LayerNorm, nn.RMSNorm)
@@ -178,6 +201,8 @@ def find_rule(mod: nn.Module) -> Rule | None:
         return _conv1d
     if is_norm(mod):
         return _norm
+    if isinstance(mod, nn.modules.batchnorm._NormBase):  # BatchNorm*d, SyncBatchNorm, InstanceNorm
+        return _batchnorm
     return None
 
 

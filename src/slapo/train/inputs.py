@@ -99,8 +99,7 @@ def prepare_inputs(cfg: TrainConfig) -> RunInputs:
         )
     if not cfg.unscheduled and source.kind != "family" and schedule_family(cfg.model) is None:
         # before the baseline trains: the generic plan is applied after it
-        check_knobs({"group": cfg.tp > 1, "sequence_parallel": cfg.sequence_parallel,
-                     "fuse_ops": cfg.fuse_ops, "fused_loss": cfg.fused_loss})  # fmt: skip
+        check_knobs({"fuse_ops": cfg.fuse_ops})
     inputs = RunInputs(source, tokenizer)
     if cfg.data is not None:
         inputs.name = cfg.data

@@ -1,0 +1,60 @@
+"""Plans as data (issue 24): Hugging Face's own plans translated, plans inferred from the
+projections' names, experts, sequence parallelism; each equal to one process on 2 gloo ranks, or
+a typed error naming what cannot be placed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tp_plan_jobs import CASES, plans_job
+
+from dist_utils import check_all, run_workers
+from slapo import model_zoo
+from slapo.exceptions import SlapoError
+from slapo.model_schedule import STYLES, TPPlan, from_hf_plan
+
+
+@pytest.fixture(scope="module")
+def report():
+    reports = check_all(run_workers(plans_job, 2, deadline=240.0))
+    assert reports[0]["errors"] == reports[1]["errors"]
+    return reports
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_plan_keeps_loss_and_every_gradient(report, model_type):
+    for rank, result in enumerate(report):
+        ref_loss, loss, worst, where, sharded = result[model_type]
+        assert sharded > 0, f"{model_type}: nothing sharded"
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert worst < 1e-4, f"rank {rank}: {model_type} gradient of {where} off by {worst:.2e}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_plans_that_cannot_be_right_raise_typed_errors(report):
+    errors = report[0]["errors"]
+    assert "config.num_attention_heads = 3 does not divide by 2" in errors["heads"]
+    assert "no rowwise projection to reduce it" in errors["no row"]
+    assert "sequence_parallel: the plan uses colwise_gather" in errors["sequence parallel mixer"]
+    # Hugging Face's own plan splits Inkling 2's packed gate/up weight across its halves
+    assert '"gate_up_proj" 64, "down_proj" 32 features' in errors["packed halves"]
+
+
+def test_hf_plans_translate_to_our_styles():
+    plan = from_hf_plan(model_zoo.tiny_model("qwen3"))
+    assert plan.styles["model.layers.*.self_attn.q_norm"] == "replicated_grad"
+    assert plan.styles["model.layers.*.self_attn.o_proj"] == "rowwise"
+    assert set(plan.styles.values()) <= set(STYLES)
+    assert from_hf_plan(model_zoo.tiny_model("gpt2")) is None  # none of its own: inferred
+
+
+def test_a_style_slapo_lacks_is_refused_by_name():
+    model = model_zoo.tiny_model("llama")
+    model.config.base_model_tp_plan = {"layers.*.mlp.up_proj": "moe_identity_expert"}
+    with pytest.raises(SlapoError, match="'moe_identity_expert', which slapo does not implement"):
+        from_hf_plan(model)
+    with pytest.raises(SlapoError, match="\"a.b\" has the style 'diagonal'"):
+        TPPlan({"a.b": "diagonal"})

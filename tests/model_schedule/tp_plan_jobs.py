@@ -1,0 +1,99 @@
+"""Tensor-parallel plans on 2 gloo ranks: each model's loss and every gradient against one
+process (a sharded parameter's gradient against its slice), as plain data plans give them."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import slapo
+from slapo import model_zoo
+from slapo.exceptions import SlapoError
+from slapo.model_schedule import TPPlan, apply_schedule, apply_tp_plan
+from slapo.sharding import get_shard_spec
+
+#: model type -> (knobs, where its plan comes from)
+CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "phi3": ({}, "hf: fused qkv and gate_up, split and gathered"),
+    "olmo2": ({}, "hf: q/k norms over all heads, so gathered"),
+    "mixtral": ({}, "hf: experts split, router whole"),
+    "llama4_text": ({}, "hf: experts stored [in, out], packed_rowwise; the prefix it lacks"),
+    "hy_v4": ({}, "hf: attention sinks split, latent K/V projection whole"),
+    "starcoder2": ({}, "hf: biased projections"),
+    "falcon": ({}, "inferred: fused query_key_value"),
+    "moshi": ({}, "inferred: fc1 packs gate and up, so gathered"),
+    "llama": ({"sequence_parallel": True}, "sequence parallel"),
+    "qwen3": ({"sequence_parallel": True}, "sequence parallel, per-head norms"),
+}
+
+
+def _relative_worst(model: torch.nn.Module, grads: dict, ref_grads: dict) -> tuple[float, str]:
+    worst, where = 0.0, ""
+    for name, param in model.named_parameters():
+        key = model_zoo._clean_name(name)
+        if grads[key] is None or ref_grads[key] is None:  # unused by this loss: both, or wrong
+            if (grads[key] is None) != (ref_grads[key] is None):
+                return float("inf"), key
+            continue
+        spec = get_shard_spec(param)
+        want = ref_grads[key] if spec is None else spec.local_slice(ref_grads[key])
+        diff = (grads[key] - want).abs().max().item() / max(want.abs().max().item(), 1e-3)
+        if diff > worst:
+            worst, where = diff, key
+    return worst, where
+
+
+def plans_job(rank: int, world: int) -> dict[str, Any]:
+    """Per case: (reference loss, loss, worst relative gradient difference, its parameter,
+    sharded parameter count)."""
+    out: dict[str, Any] = {}
+    for model_type, (knobs, _) in CASES.items():
+        torch.manual_seed(0)
+        ref = model_zoo.tiny_model(model_type)
+        model = copy.deepcopy(ref)
+        batch = model_zoo.sample_batch(ref)
+        ref_loss, ref_grads = model_zoo.train_step(ref, batch)
+        sch = apply_schedule(model, group=torch.distributed.group.WORLD, ckpt_ratio=0.0, **knobs)
+        model, _ = slapo.build(sch, init_weights=False)
+        loss, grads = model_zoo.train_step(model, batch)
+        worst, where = _relative_worst(model, grads, ref_grads)
+        sharded = sum(get_shard_spec(p) is not None for p in model.parameters())
+        out[model_type] = (float(ref_loss), float(loss), worst, where, sharded)
+    out["errors"] = _errors()
+    return out
+
+
+def _errors() -> dict[str, str]:
+    """The typed errors of plans that cannot be right."""
+    group = torch.distributed.group.WORLD
+    errors: dict[str, str] = {}
+    cases = {
+        "heads": lambda: _odd_heads(group),
+        "no row": lambda: apply_tp_plan(
+            slapo.create_schedule(model_zoo.tiny_model("llama"), group=group),
+            TPPlan({"model.layers.*.mlp.up_proj": "colwise"}),
+        ),
+        "packed halves": lambda: apply_schedule(
+            model_zoo.tiny_model("inkling2_text"), group=group, ckpt_ratio=0.0
+        ),
+        "sequence parallel mixer": lambda: apply_schedule(
+            model_zoo.tiny_model("phi3"), group=group, ckpt_ratio=0.0, sequence_parallel=True
+        ),
+    }
+    for name, make in cases.items():
+        try:
+            make()
+            errors[name] = "no error"
+        except SlapoError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def _odd_heads(group: Any) -> None:
+    config = model_zoo.tiny_config("llama")
+    config.num_attention_heads = config.num_key_value_heads = 3
+    config.head_dim = 16
+    model = type(model_zoo.tiny_model("llama"))(config)
+    apply_schedule(model, group=group, ckpt_ratio=0.0)
