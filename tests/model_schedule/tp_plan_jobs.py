@@ -14,18 +14,21 @@ from slapo.exceptions import SlapoError
 from slapo.model_schedule import TPPlan, apply_schedule, apply_tp_plan
 from slapo.sharding import get_shard_spec
 
-#: model type -> (knobs, where its plan comes from)
-CASES: dict[str, tuple[dict[str, Any], str]] = {
-    "phi3": ({}, "hf: fused qkv and gate_up, split and gathered"),
-    "olmo2": ({}, "hf: q/k norms over all heads, so gathered"),
-    "mixtral": ({}, "hf: experts split, router whole"),
-    "llama4_text": ({}, "hf: experts stored [in, out], packed_rowwise; the prefix it lacks"),
-    "hy_v4": ({}, "hf: attention sinks split, latent K/V projection whole"),
-    "starcoder2": ({}, "hf: biased projections"),
-    "falcon": ({}, "inferred: fused query_key_value"),
-    "moshi": ({}, "inferred: fc1 packs gate and up, so gathered"),
-    "llama": ({"sequence_parallel": True}, "sequence parallel"),
-    "qwen3": ({"sequence_parallel": True}, "sequence parallel, per-head norms"),
+#: case -> (model type, knobs, where its plan comes from)
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "phi3": ("phi3", {}, "hf: fused qkv and gate_up, split and gathered"),
+    "olmo2": ("olmo2", {}, "hf: q/k norms over all heads, so gathered"),
+    "mixtral": ("mixtral", {}, "hf: experts split, router whole"),
+    "llama4_text": ("llama4_text", {}, "hf: experts stored [in, out]; the prefix it lacks"),
+    "hy_v4": ("hy_v4", {}, "hf: attention sinks split, latent K/V projection whole"),
+    "starcoder2": ("starcoder2", {}, "hf: biased projections"),
+    "falcon": ("falcon", {}, "inferred: fused query_key_value"),
+    "moshi": ("moshi", {}, "inferred: fc1 packs gate and up, so gathered"),
+    "electra": ("electra", {}, "inferred: BERT's layout"),
+    "llama+sp": ("llama", {"sequence_parallel": True}, "sequence parallel"),
+    "qwen3+sp": ("qwen3", {"sequence_parallel": True}, "sequence parallel, per-head norms"),
+    "olmo2+sp": ("olmo2", {"sequence_parallel": True}, "sequence parallel around gathers"),
+    "phi3+sp": ("phi3", {"sequence_parallel": True}, "sequence parallel, fused gathers"),
 }
 
 
@@ -49,7 +52,7 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
     """Per case: (reference loss, loss, worst relative gradient difference, its parameter,
     sharded parameter count)."""
     out: dict[str, Any] = {}
-    for model_type, (knobs, _) in CASES.items():
+    for case, (model_type, knobs, _) in CASES.items():
         torch.manual_seed(0)
         ref = model_zoo.tiny_model(model_type)
         model = copy.deepcopy(ref)
@@ -60,7 +63,7 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
         loss, grads = model_zoo.train_step(model, batch)
         worst, where = _relative_worst(model, grads, ref_grads)
         sharded = sum(get_shard_spec(p) is not None for p in model.parameters())
-        out[model_type] = (float(ref_loss), float(loss), worst, where, sharded)
+        out[case] = (float(ref_loss), float(loss), worst, where, sharded)
     out["errors"] = _errors()
     return out
 
@@ -78,8 +81,8 @@ def _errors() -> dict[str, str]:
         "packed halves": lambda: apply_schedule(
             model_zoo.tiny_model("inkling2_text"), group=group, ckpt_ratio=0.0
         ),
-        "sequence parallel mixer": lambda: apply_schedule(
-            model_zoo.tiny_model("phi3"), group=group, ckpt_ratio=0.0, sequence_parallel=True
+        "sequence parallel experts": lambda: apply_schedule(
+            model_zoo.tiny_model("mixtral"), group=group, ckpt_ratio=0.0, sequence_parallel=True
         ),
     }
     for name, make in cases.items():

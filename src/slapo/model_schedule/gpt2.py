@@ -4,9 +4,17 @@ sequence parallelism over the norms and the row-parallel biases."""
 from __future__ import annotations
 
 from ..schedule import Schedule
-from ..sharding import mark_sequence_parallel
 from .fusion import fuse_bias_gelu
-from .helpers import apply_shared_knobs, blocks, column, divide_attrs, enter, require, row
+from .helpers import (
+    apply_shared_knobs,
+    blocks,
+    column,
+    divide_attrs,
+    enter,
+    replicated,
+    require,
+    row,
+)
 from .knobs import Knobs
 from .registry import register_schedule
 
@@ -31,11 +39,11 @@ def gpt2(sch: Schedule, k: Knobs) -> None:
             enter(sch, f"{blk}.mlp", sp)
             if sp:  # replicated parameters see a slice of the sequence: sum their gradients
                 for part in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_proj"):
-                    mark_sequence_parallel(sch[f"{blk}.{part}"].mod)
+                    replicated(sch, f"{blk}.{part}")
         if sp:
             sch["transformer.drop"].sync(mode="fwd_post", sync_op_or_fn="scatter", dim=1)
             sch["transformer.ln_f"].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=1)
-            mark_sequence_parallel(sch["transformer.ln_f"].mod)
+            replicated(sch, "transformer.ln_f")
         # wte and lm_head share one weight: sharding it once shards both, and they stay tied.
         sch["transformer.wte"].shard("weight", axis=0)
         sch["transformer.wte"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")

@@ -102,6 +102,15 @@ PACKED_NAMES = frozenset(
 )
 _COLUMN = ("colwise", "packed_colwise")
 _ROW = ("rowwise", "packed_rowwise")
+#: Styles that work with the sequence split between regions (the embedding comes before it).
+_SEQUENCE_READY = (
+    "rowwise",
+    "colwise_gather",
+    "rowwise_split",
+    "replicated_grad",
+    "vocab_embedding",
+    "local",
+)
 #: Config attributes counting attention heads: a head-parallel plan must split them evenly.
 _HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
 
@@ -242,6 +251,8 @@ def apply_tp_plan(
     for path in experts:
         _experts(sch, path)
     applied.regions = _enter_regions(sch, columns, rows, blocks, sequence_parallel)
+    if sequence_parallel:
+        _gather_sequence_around_split_features(sch, entries, applied.regions, blocks)
     for path, style in params:  # split by hand: a region or experts must reduce what it feeds
         owner = _parent(path)
         if style != "replicated_grad" and owner not in experts and owner not in applied.regions:
@@ -295,11 +306,13 @@ def _shard_module(sch: Schedule, path: str, style: str, sequence_parallel: bool)
         row(sch, path, sequence_parallel)
     elif style == "rowwise_split":
         sch[path].sync(mode="fwd_pre", sync_op_or_fn="scatter", dim=-1)
-        row(sch, path)
+        row(sch, path, sequence_parallel)
     if style == "colwise_gather":
-        # whole features again after the projection; its input gradient is this rank's part
+        # its input gradient is this rank's part: all-reduced, or, under sequence parallelism,
+        # reduce-scattered by the sequence gather at its parent's entry; whole features after it
+        if not sequence_parallel:
+            enter(sch, path)
         sch[path].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=-1)
-        sch[path].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
 
 
 def _shard_param(sch: Schedule, path: str, style: str) -> None:
@@ -392,8 +405,10 @@ def _check_widths(sch: Schedule, entries: list[tuple[str, str, str]], experts: s
         if not cols or not rows or None in (*cols.values(), *rows.values()):
             continue
         (row_width,) = set(rows.values()) if len(set(rows.values())) == 1 else (None,)
-        if _is_attention(owner):  # heads split whole (checked apart); only packed q/k/v clash
-            fits = not any(p.rsplit(".", 1)[-1] in PACKED_NAMES for p in cols)
+        if _is_attention(owner):
+            # heads split whole (checked apart); a packed q/k/v split by columns is right when
+            # the model packs it per head (GPT-NeoX), which its own plan then says
+            fits = True
         else:
             fits = set(cols.values()) == {row_width}
         if not fits:
@@ -473,17 +488,41 @@ def _enter_regions(
     return list(regions)
 
 
+def _gather_sequence_around_split_features(
+    sch: Schedule,
+    entries: list[tuple[str, str, str]],
+    regions: list[str],
+    blocks: list[str] | None,
+) -> None:
+    """Under sequence parallelism, gather the whole sequence at the entry of each module holding
+    ``colwise_gather`` projections (an attention reads its sequence length from its input):
+    inside, every rank computes on whole sequences; its ``rowwise_split`` projection
+    reduce-scatters back to this rank's slice."""
+    parents = {_parent(p) for p, _, style in entries if style == "colwise_gather"}
+    for parent in sorted(parents - set(regions)):
+        if parent == "" or (blocks is not None and parent in blocks):
+            raise SlapoError(
+                f'sequence_parallel: the split projections of "{parent}" sit directly in a '
+                "block; the sequence can only be gathered at the entry of a module of its own"
+            )
+        if not any(s == "rowwise_split" and _parent(p) == parent for p, _, s in entries):
+            raise SlapoError(
+                f'sequence_parallel: "{parent}" gathers its features but has no rowwise_split '
+                "projection to return to this rank's slice of the sequence"
+            )
+        enter(sch, parent, sequence_parallel=True)
+
+
 def _check_sequence_parallel(
     sch: Schedule, entries: list[tuple[str, str, str]], blocks: list[str] | None
 ) -> None:
     if not blocks:
         raise SlapoError("sequence_parallel needs the model's blocks (pass blocks=)")
-    other = {style for _, _, style in entries} - {*_COLUMN, "rowwise", "replicated_grad"}
-    other.discard("vocab_embedding")  # before the first block: whole sequences
+    other = {style for _, _, style in entries} - {*_COLUMN, *_SEQUENCE_READY}
     if other:
         raise SlapoError(
             f"sequence_parallel: the plan uses {', '.join(sorted(other))}; sequence "
-            "parallelism is implemented for regions of colwise and rowwise projections only"
+            "parallelism is implemented for projections split by columns and rows only"
         )
     regions = {_parent(path) for path, _, style in entries if style != "replicated_grad"}
     for blk in blocks:
@@ -531,7 +570,8 @@ def _sum_replicated(
                 continue
             replicated(sch, path)
             summed.append(path)
-    if sequence_parallel:
+    if sequence_parallel:  # the row projections' biases meet a slice of the sequence
+        rows = rows | {path for path, kind, style in entries if style == "rowwise_split"}
         for path in rows - set(summed):
             if any(get_shard_spec(p) is None for p in sch[path].mod.parameters(recurse=False)):
                 replicated(sch, path)  # its bias meets a slice of the sequence
@@ -542,7 +582,7 @@ def _sum_replicated(
 def _split_sequence(sch: Schedule, blocks: list[str], applied: AppliedPlan) -> None:
     """Split the sequence from the first block's input to the last block's output; the norms
     and other replicated modules between the regions see a slice of it: sum their gradients."""
-    regions = set(applied.regions)
+    regions = {_parent(p) for paths in applied.sharded.values() for p in paths}
     for blk in blocks:
         for name, child in sch[blk].mod.named_children():
             path = f"{blk}.{name}"
