@@ -284,7 +284,8 @@ def _weighted(sch: Schedule, path: str, style: str) -> nn.Module:
 
 def _shard_module(sch: Schedule, path: str, style: str, sequence_parallel: bool) -> None:
     if style == "replicated_grad":
-        replicated(sch, path)
+        if any(True for _ in sch[path].mod.parameters(recurse=False)):  # a norm may have none
+            replicated(sch, path)
         return
     if style == "vocab_embedding":
         _vocab_embedding(sch, path)

@@ -135,7 +135,7 @@ class TrainConfig:
         None, "chunked LM head + cross-entropy (default: recommended)", group=SCHEDULE_KNOBS
     )
     sequence_parallel: bool = option(
-        False, "sequence parallelism with --tp (gpt2)", group=SCHEDULE_KNOBS
+        False, "sequence parallelism with --tp", group=SCHEDULE_KNOBS
     )
     tp: int = option(
         1, "tensor-parallel size (under torchrun)", group=SCHEDULE_KNOBS, positive=True
