@@ -58,3 +58,17 @@ def test_the_readme_states_the_lower_bounds_pyproject_declares():
     assert f"`transformers` {lows['transformers']} to the newest" in prose
     for name in ("peft", "deepspeed", "accelerate"):
         assert f"`{name}` >= {lows[name]}" in prose, name
+
+
+def _between(text: str, start: str, end: str) -> list[str]:
+    body = text.split(start, 1)[1].split(end, 1)[0]
+    return [line for line in body.strip().splitlines() if line.strip()]
+
+
+def test_the_readme_quotes_the_committed_coverage_totals():
+    # docs/model_coverage.md is written by benchmarks/model_coverage.py (the whole sweep); the
+    # README's totals must be its totals, not numbers typed by hand.
+    coverage = (README.parent / "docs" / "model_coverage.md").read_text()
+    totals = _between(coverage, "## Totals", "## Per architecture")
+    quoted = _between(README.read_text(), "<!-- coverage:begin -->", "<!-- coverage:end -->")
+    assert totals and quoted == totals

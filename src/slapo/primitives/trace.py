@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import forward_wraps, label, move_hooks
@@ -106,7 +106,7 @@ def _infer_inputs(sch: Schedule) -> Any:
     root = sch.root
     root_inputs = root.extra.get("example_inputs")
     if root_inputs is None:
-        root_inputs = getattr(root.mod, "dummy_inputs", None)
+        root_inputs = _dummy_inputs(root.mod, sch.path)
         root_inputs = copy.copy(root_inputs) if isinstance(root_inputs, dict) else root_inputs
     if root_inputs is None:
         raise TraceError(
@@ -116,9 +116,44 @@ def _infer_inputs(sch: Schedule) -> Any:
         )
     if sch.parent is None:
         args, kwargs = as_args(root_inputs)
-    else:
+        return {"args": args, "kwargs": kwargs}
+    try:
         args, kwargs = capture_inputs(root.mod, sch.mod, root_inputs)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the model's own error, re-raised typed)
+        raise TraceError(
+            f'tracing "{label(sch.path)}": running the model on its example inputs to capture '
+            f"this module's inputs failed ({type(exc).__name__}: {exc}); pass "
+            "create_schedule(model, example_inputs=...) or trace(example_inputs=...)"
+        ) from exc
     return {"args": args, "kwargs": kwargs}
+
+
+def _dummy_inputs(model: nn.Module, path: str) -> Any:
+    """A transformers model's ``dummy_inputs``; where the model's own override fails (BART's
+    needs a pad token), those of its ``PreTrainedModel`` base (token ids only)."""
+    try:
+        return getattr(model, "dummy_inputs", None)
+    except Exception as exc:  # noqa: BLE001  (the model's own property)
+        try:
+            return _base_dummy_inputs(model)
+        except Exception:  # noqa: BLE001  (reported with the first error)
+            pass
+        raise TraceError(
+            f'tracing "{label(path)}" with torch.export needs example inputs, and the model\'s '
+            f"dummy_inputs failed ({type(exc).__name__}: {exc}); pass "
+            "create_schedule(model, example_inputs=...) or trace(example_inputs=...)"
+        ) from exc
+
+
+def _base_dummy_inputs(model: nn.Module) -> Any:
+    """``dummy_inputs`` as transformers' ``PreTrainedModel`` defines it, for ``model``."""
+    for cls in type(model).__mro__:
+        prop = cls.__dict__.get("dummy_inputs") if cls.__name__ == "PreTrainedModel" else None
+        if isinstance(prop, property) and prop.fget is not None:
+            return prop.fget(model)
+    raise LookupError("no PreTrainedModel base")
 
 
 @register_primitive()
@@ -137,6 +172,14 @@ class TracePrimitive(Primitive):
     only this module's forward is traced), ``concrete_args`` (for fx) and ``config`` (unused: our
     tracers need no config-made dummy inputs). Dropout keeps following
     ``train()``/``eval()``. ``find``, ``fuse``, partial ``replace``/``checkpoint`` trace by need.
+
+    The traced module keeps every parameter, buffer and plain attribute of the original. A graph
+    exported on captured inputs checks each call: another size of a dimension it fixed (a loop
+    over the sequence), an optional argument given that was None (or left out that was given),
+    another value of a non-tensor argument raise ``TraceSignatureError`` naming the module and
+    the argument; trace on inputs like the training batch (``create_schedule(model,
+    example_inputs=batch)``) to fix the shapes and arguments it is traced for. A module that
+    keeps state on itself or has a custom backward is refused (``TraceEquivalenceError``).
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))

@@ -10,14 +10,25 @@ Mode-dependent operations are made mode-aware after capture: dropout (functional
 dropout probability of scaled-dot-product attention follow ``module.train()``/``eval()`` as in
 the untraced module, although tracing always runs in training mode.
 
+A traced module stays true to the module it replaces. It keeps every parameter and buffer (also
+those the captured call did not use: a missing submodule is the original one, put back) and the
+plain attributes callers read (``attention_type``, ``layer_idx``). An exported graph is only
+valid for calls like the captured one (export fixes a dimension a loop ran over, non-tensor
+arguments, which optional arguments were given): its first call checks each call and raises
+:class:`TraceSignatureError` naming the module and the argument otherwise. A submodule that
+assigns attributes during its call (state kept on the module) or calls a custom
+``autograd.Function`` (a graph keeps no custom backward) stays a call of the original module; the
+traced module itself doing so is refused with :class:`TraceEquivalenceError`.
+
 Hooks survive: a traced child keeps the hooks of the module it replaces, and where a trace goes
 through a hooked module (flattening, a decomposed layer inlined), ``sync``'s hooks record their
 op as a call in the graph; a module with other hooks stays a call.
 
 One file per job: ``capture`` (example inputs of a submodule), ``export`` (the torch.export
-path), ``fx`` (the symbolic-trace path), ``rewrite`` (mode-aware dropout), ``inline``
-(flattening), ``hooks`` (hooks across inlining), ``leaves`` and ``errors`` (shared by both
-paths), ``api`` (the entry points). The
+path), ``guard`` (the check of each call of an exported graph), ``effects`` (what a graph cannot
+replay), ``keep`` (state and attributes kept), ``fx`` (the symbolic-trace path), ``rewrite``
+(mode-aware dropout), ``inline`` (flattening), ``hooks`` (hooks across inlining), ``leaves`` and
+``errors`` (shared by both paths), ``api`` (the entry points). The
 ``trace`` primitive, which binds a schedule, lives in ``slapo.primitives.trace``.
 
 Example:
@@ -30,7 +41,7 @@ Example:
 
 from .api import trace, trace_module
 from .capture import as_args, call_args, capture_inputs
-from .errors import LeafError, TraceError
+from .errors import LeafError, TraceEquivalenceError, TraceError, TraceSignatureError
 from .export import export_module, is_cache
 from .fx import fx_trace
 from .inline import inline_submodules
@@ -41,7 +52,9 @@ __all__ = [
     "LeafError",
     "Leaves",
     "ModeDropout",
+    "TraceEquivalenceError",
     "TraceError",
+    "TraceSignatureError",
     "TrainingOnly",
     "as_args",
     "call_args",

@@ -18,6 +18,7 @@ from .errors import TraceError
 from .export import export_module
 from .fx import fx_trace
 from .inline import inline_submodules
+from .keep import keep_attributes, keep_state
 from .leaves import Leaves, check_leaves
 from .rewrite import make_mode_aware
 
@@ -131,6 +132,8 @@ def trace_module(
         elif inline:
             inline_submodules(gm, leaves, only=inline)
     _repoint_state(gm, mod)
+    keep_state(gm, mod)  # also what the captured call did not use (cross-attention)
+    keep_attributes(gm, mod)  # what callers read on the module (attention_type, layer_idx)
     _restore_modes(mod, gm)
     get_logger().info(
         'traced "%s" (%s) with %s in %.2f s%s',

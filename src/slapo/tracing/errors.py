@@ -12,7 +12,14 @@ from torch import nn
 from ..exceptions import SlapoError
 from ..surgery import label
 
-__all__ = ["LeafError", "TraceError", "module_stack", "raise_trace_error"]
+__all__ = [
+    "LeafError",
+    "TraceEquivalenceError",
+    "TraceError",
+    "TraceSignatureError",
+    "module_stack",
+    "raise_trace_error",
+]
 
 
 class TraceError(SlapoError, RuntimeError):
@@ -21,6 +28,16 @@ class TraceError(SlapoError, RuntimeError):
 
 class LeafError(TraceError, ValueError):
     """A ``leaves=`` entry that names no submodule of the traced module, or is not a name."""
+
+
+class TraceSignatureError(TraceError, ValueError):
+    """A traced graph called with inputs it was not traced for (another size of a dimension the
+    graph fixed, an optional argument given that was None, another value of a constant)."""
+
+
+class TraceEquivalenceError(TraceError):
+    """A module whose graph would not compute what the module does (e.g. it updates its own
+    state during the call): trace() refuses it rather than return a graph that differs."""
 
 
 @contextlib.contextmanager

@@ -15,8 +15,11 @@ from torch import fx, nn
 from torch.export import Dim, export, unflatten
 from torch.utils import _pytree as pytree
 
-from ..surgery import set_submodule
-from .errors import module_stack, raise_trace_error
+from ..logger import get_logger
+from ..surgery import label, set_submodule
+from .effects import Effects, watch_effects
+from .errors import TraceEquivalenceError, module_stack, raise_trace_error
+from .guard import install_guard
 from .leaves import Leaves, is_leaf
 
 __all__ = ["export_module", "is_cache"]
@@ -58,24 +61,65 @@ def export_module(
 ) -> fx.GraphModule:
     """Export ``mod`` called with ``(args, kwargs)``; ``leaves`` stay calls of the original
     modules. Every input dimension may vary; KV caches are None in the graph and at runtime.
+    Dimensions and arguments export fixes are checked at each call (``guard``); submodules
+    whose calls a graph cannot replay stay leaves (``effects``).
 
     Example:
         >>> gm = export_module(nn.Sequential(nn.Linear(2, 2)), (torch.randn(3, 2),), {}, (), "")
         >>> type(gm).__name__
         'Sequential'
     """
-    # Leaves are kept only where no ancestor is a leaf already.
-    leaf_paths = [n for n, m in mod.named_modules() if n and is_leaf(n, m, leaves)]
-    leaf_paths = [p for p in leaf_paths if not any(p.startswith(q + ".") for q in leaf_paths)]
+    leaf_paths = _outermost([n for n, m in mod.named_modules() if n and is_leaf(n, m, leaves)])
     traced_args = tuple(None if is_cache(a) else a for a in args)
     traced_kwargs = {k: None if is_cache(v) else v for k, v in kwargs.items()}
     flat, spec = pytree.tree_flatten((traced_args, traced_kwargs))
     tensors = tuple(t for t in flat if isinstance(t, torch.Tensor))
+    wrapper = _Wrapper(mod, flat, spec)
+    ep, leaf_paths = _export_faithfully(wrapper, tensors, leaf_paths, path)
+    with _quiet():
+        unflat = unflatten(ep)
+    top = unflat.get_submodule("m")
+    for p in leaf_paths:  # signature preserved: the original module can be called as it was
+        set_submodule(top, p, mod.get_submodule(p))
+        _fix_leaf_calls(top, p)
+    gm = _to_graph_modules(top, mod)
+    # The graph holds for calls like the captured one only: check each call (see guard.py).
+    install_guard(gm, mod, traced_args, traced_kwargs, ep, path)
+    _drop_caches_at_runtime(gm, _cache_arg_names(gm, args, kwargs))
+    return gm
+
+
+def _export_faithfully(
+    wrapper: _Wrapper, tensors: tuple[torch.Tensor, ...], leaf_paths: list[str], path: str
+) -> tuple[torch.export.ExportedProgram, list[str]]:
+    """Export, keeping as calls of the original modules (leaves) the submodules that keep state
+    on themselves or call a custom autograd.Function (a graph would not replay either); refuse
+    where the module itself does. Returns the program and the leaves it was exported with."""
+    ep, effects = _export(wrapper, tensors, leaf_paths, path)
+    auto = _outermost(sorted(effects.runners()))
+    uncovered = [p for p in auto if not _covered(p, leaf_paths)]
+    if uncovered and "" not in uncovered:
+        get_logger().info(
+            'kept %s of "%s" as calls of the original modules: %s',
+            ", ".join(uncovered),
+            label(path),
+            "; ".join(f"{p} {effects.describe(p)}" for p in uncovered),
+        )
+        leaf_paths = _outermost([*leaf_paths, *uncovered])
+        ep, effects = _export(wrapper, tensors, leaf_paths, path)
+    _refuse_effects(wrapper.m, effects, leaf_paths, path)
+    return ep, leaf_paths
+
+
+def _export(
+    wrapper: _Wrapper, tensors: tuple[torch.Tensor, ...], leaf_paths: list[str], path: str
+) -> tuple[torch.export.ExportedProgram, Effects]:
+    """torch.export of ``wrapper`` on ``tensors``, and what the module did that a graph cannot."""
+    mod = wrapper.m
     # Every dimension may vary (batch, sequence); export keeps the ones the code fixes.
     dims = tuple({i: Dim.AUTO for i in range(t.dim())} for t in tensors)
-    wrapper = _Wrapper(mod, flat, spec)
     preserve = ("m", *(f"m.{p}" for p in leaf_paths))
-    with module_stack(mod) as stack, _quiet():
+    with module_stack(mod) as stack, _quiet(), watch_effects(mod, stack) as effects:
         try:
             ep = export(
                 wrapper,
@@ -86,15 +130,29 @@ def export_module(
             )
         except Exception as exc:  # noqa: BLE001  (re-raised with the module named)
             raise_trace_error(path, mod, "export", exc, stack[-1] if stack else "")
-    with _quiet():
-        unflat = unflatten(ep)
-    top = unflat.get_submodule("m")
-    for p in leaf_paths:  # signature preserved: the original module can be called as it was
-        set_submodule(top, p, mod.get_submodule(p))
-        _fix_leaf_calls(top, p)
-    gm = _to_graph_modules(top, mod)
-    _drop_caches_at_runtime(gm, _cache_arg_names(gm, args, kwargs))
-    return gm
+    return ep, effects
+
+
+def _outermost(paths: list[str]) -> list[str]:
+    """``paths`` without those inside another one (a leaf's submodules run with it)."""
+    return [p for p in paths if not any(p.startswith(q + ".") for q in paths if q)]
+
+
+def _covered(path: str, leaf_paths: list[str]) -> bool:
+    return any(path == q or path.startswith(q + ".") for q in leaf_paths)
+
+
+def _refuse_effects(mod: nn.Module, effects: Effects, leaf_paths: list[str], path: str) -> None:
+    """Raise where what the graph would drop is done outside every leaf (by the module itself)."""
+    bad = [p for p in sorted(effects.runners()) if not _covered(p, leaf_paths)]
+    if not bad:
+        return
+    what = "; ".join(f"{f'submodule {p!r}' if p else 'it'} {effects.describe(p)}" for p in bad)
+    raise TraceEquivalenceError(
+        f'cannot trace "{label(path)}" ({type(mod).__name__}) into a graph that computes what it '
+        f"does: {what}. A graph would not replay that; trace its submodules instead, or keep it "
+        "as it is."
+    )
 
 
 def _fix_leaf_calls(top: nn.Module, path: str) -> None:

@@ -134,9 +134,7 @@ class TrainConfig:
     fused_loss: bool | None = option(
         None, "chunked LM head + cross-entropy (default: recommended)", group=SCHEDULE_KNOBS
     )
-    sequence_parallel: bool = option(
-        False, "sequence parallelism with --tp", group=SCHEDULE_KNOBS
-    )
+    sequence_parallel: bool = option(False, "sequence parallelism with --tp", group=SCHEDULE_KNOBS)
     tp: int = option(
         1, "tensor-parallel size (under torchrun)", group=SCHEDULE_KNOBS, positive=True
     )
