@@ -18,9 +18,10 @@ from torch.utils import _pytree as pytree
 from ..logger import get_logger
 from ..surgery import label, set_submodule
 from .effects import Effects, watch_effects
-from .errors import TraceEquivalenceError, module_stack, raise_trace_error
+from .errors import TraceEquivalenceError, TraceError, module_stack, raise_trace_error
 from .guard import install_guard
 from .leaves import Leaves, is_leaf
+from .verify import pin_unsound_dims
 
 __all__ = ["export_module", "is_cache"]
 
@@ -76,17 +77,39 @@ def export_module(
     tensors = tuple(t for t in flat if isinstance(t, torch.Tensor))
     wrapper = _Wrapper(mod, flat, spec)
     ep, leaf_paths = _export_faithfully(wrapper, tensors, leaf_paths, path)
-    with _quiet():
-        unflat = unflatten(ep)
-    top = unflat.get_submodule("m")
-    for p in leaf_paths:  # signature preserved: the original module can be called as it was
-        set_submodule(top, p, mod.get_submodule(p))
-        _fix_leaf_calls(top, p)
-    gm = _to_graph_modules(top, mod)
+    gm = _rebuild(ep, mod, leaf_paths, path)
     # The graph holds for calls like the captured one only: check each call (see guard.py).
-    install_guard(gm, mod, traced_args, traced_kwargs, ep, path)
+    guard = install_guard(gm, mod, traced_args, traced_kwargs, ep, path)
+    if guard and pin_unsound_dims(gm, mod, traced_args, traced_kwargs, guard):
+        get_logger().info(
+            '"%s" (%s): its graph differs from the module at other sizes than the traced ones; '
+            "other sizes raise TraceSignatureError",
+            label(path),
+            type(mod).__name__,
+        )
     _drop_caches_at_runtime(gm, _cache_arg_names(gm, args, kwargs))
     return gm
+
+
+def _rebuild(
+    ep: torch.export.ExportedProgram, mod: nn.Module, leaf_paths: list[str], path: str
+) -> nn.Module:
+    """The exported program as a hierarchy of GraphModules named after ``mod``'s classes, the
+    leaves the original modules."""
+    try:
+        with _quiet():
+            unflat = unflatten(ep)
+        top = unflat.get_submodule("m")
+        for p in leaf_paths:  # signature preserved: the original module can be called as it was
+            set_submodule(top, p, mod.get_submodule(p))
+            _fix_leaf_calls(top, p)
+        return _to_graph_modules(top, mod)
+    except Exception as exc:  # noqa: BLE001  (torch's unflatten failed: re-raised typed)
+        raise TraceError(
+            f'cannot trace "{label(path)}" ({type(mod).__name__}) with export: the exported '
+            f"program cannot be rebuilt as modules ({type(exc).__name__}: {exc}). Mark the "
+            "submodule named there as a leaf (leaves=[...]) or trace its submodules instead."
+        ) from exc
 
 
 def _export_faithfully(
