@@ -204,7 +204,7 @@ def apply_tp_plan(
     naming the module.
 
     Example:
-        >>> applied = apply_tp_plan(sch, llama_plan, blocks(sch, "model.layers"))
+        >>> applied = apply_tp_plan(sch, LLAMA_PLAN, blocks(sch, "model.layers"))
     """
     root = sch.mod
     applied = AppliedPlan()
@@ -230,16 +230,15 @@ def apply_tp_plan(
         if style == "reduced" and not _holds_row(path, entries):
             experts.add(path)
     _check_widths(sch, entries, experts)
+    _check_reducers(entries, experts)
     columns: list[str] = []
     rows: set[str] = set()
-    params: list[tuple[str, str]] = []
     for path, kind, style in entries:
         applied.sharded.setdefault(style, []).append(path)
         if style in ("experts", "local"):
             continue
         if kind == "param":
             _shard_param(sch, path, style)
-            params.append((path, style))
             continue
         if style == "reduced":
             continue  # reduced by its rowwise projection, or as experts
@@ -253,14 +252,6 @@ def apply_tp_plan(
     applied.regions = _enter_regions(sch, columns, rows, blocks, sequence_parallel)
     if sequence_parallel:
         _gather_sequence_around_split_features(sch, entries, applied.regions, blocks)
-    for path, style in params:  # split by hand: a region or experts must reduce what it feeds
-        owner = _parent(path)
-        if style != "replicated_grad" and owner not in experts and owner not in applied.regions:
-            raise SlapoError(
-                f'tensor-parallel plan: "{path}" is a parameter split {style}, but its module '
-                f'"{owner}" is neither marked "experts" nor a region of split projections; '
-                "nothing would reduce what it computes"
-            )
     for pattern, attrs in plan.divide.items():
         for path, _ in _matches(root, pattern):
             divide_attrs(sch, path, *attrs)
@@ -362,6 +353,27 @@ def _embedding_columns(sch: Schedule, path: str) -> None:
         )
     sch[path].shard("weight", axis=1)
     sch[path].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=-1)
+
+
+def _check_reducers(entries: list[tuple[str, str, str]], experts: set[str]) -> None:
+    """Before anything is split: every column split must be reduced somewhere (a rowwise
+    projection; for a split parameter, its experts module or its region's)."""
+    modules = [p for p, kind, style in entries if kind == "module" and style in _COLUMN]
+    if modules and not any(s == "rowwise" for _, _, s in entries):
+        raise SlapoError(
+            f'tensor-parallel plan: "{modules[0]}" is split by columns but the plan has no '
+            "rowwise projection to reduce it; its output would stay split"
+        )
+    regions = {_parent(p) for p in modules}
+    for path, kind, style in entries:
+        owner = _parent(path)
+        split = style in (*_COLUMN, *_ROW)
+        if kind == "param" and split and owner not in experts and owner not in regions:
+            raise SlapoError(
+                f'tensor-parallel plan: "{path}" is a parameter split {style}, but its module '
+                f'"{owner}" is neither marked "experts" nor a region of split projections; '
+                "nothing would reduce what it computes"
+            )
 
 
 def _holds_row(path: str, entries: list[tuple[str, str, str]]) -> bool:
@@ -467,11 +479,6 @@ def _enter_regions(
     """All-reduce the input gradient of each region (or gather the sequence entering it);
     returns the regions. Projections placed directly in a block (OPT's ``fc1``/``fc2``) have no
     module of their own around them: each column projection is entered by itself."""
-    if columns and not rows:
-        raise SlapoError(
-            f'tensor-parallel plan: "{columns[0]}" is split by columns but the plan has no '
-            "rowwise projection to reduce it; its output would stay split"
-        )
     regions: dict[str, None] = {}
     for path in columns:
         region = _parent(path)
