@@ -73,9 +73,9 @@ def wrap_model_to_roundpipe(
     """Wrap ``model`` for RoundPipe training.
 
     Resolution order: explicit ``layers`` (a list of modules in execution order, e.g. from a
-    schedule's pipeline cuts) -> the family preset (Llama, Qwen3, GPT-2; also inside a ``peft``
-    LoRA model) -> the recursive size heuristic, returning an :class:`AutoRoundPipe` around the
-    partly wrapped model.
+    schedule's pipeline cuts) -> the family preset (Llama, Qwen3, Qwen3-MoE, GPT-OSS, GPT-2; also
+    inside a ``peft`` LoRA model; see :mod:`roundpipe.models` for its loss) -> the recursive size
+    heuristic, returning an :class:`AutoRoundPipe` around the partly wrapped model.
 
     Parameters frozen at this point (``requires_grad=False``, e.g. a LoRA model's base weights)
     get no optimizer copy: ``optim_parameters()`` yields the trainable ones only.

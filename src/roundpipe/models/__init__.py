@@ -4,6 +4,14 @@ A preset turns a ``*ForCausalLM`` model into a list of layers (embedding, one la
 transformer block, head) that RoundPipe pipelines; the original module tree stays intact,
 so checkpoints and attribute access are unchanged.
 
+The wrapped model (:class:`~roundpipe.models.causal_lm.CausalLMRoundPipe`) is called like the
+transformers model. Its ``loss`` is the whole batch's however the batch is split into
+microbatches (``num_items_in_batch`` honoured as transformers honours it); with
+``return_logits=False`` the head and the loss run over chunks of tokens and the logits are never
+materialised (:mod:`roundpipe.models.loss`). Mixture-of-experts presets replay each block's
+routing in recompute and add the router load-balancing loss of the whole batch
+(:mod:`roundpipe.models.moe`).
+
 A ``peft`` adapter model (``PeftModel`` -> ``LoraModel`` -> ``LlamaForCausalLM``, ...) uses the
 preset of the transformers model inside it: the layers come from that model (its blocks now hold
 the adapter modules) while the RoundPipe root stays the PEFT model, so ``save_pretrained`` and
@@ -28,6 +36,8 @@ SUPPORTED_MODELS: dict[str, str] = {
     "llama": "roundpipe.models.llama",
     "qwen3": "roundpipe.models.qwen3",
     "gpt2": "roundpipe.models.gpt2",
+    "qwen3_moe": "roundpipe.models.qwen3_moe",
+    "gpt_oss": "roundpipe.models.gpt_oss",
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..roundpipe import RoundPipe
+from .causal_lm import CausalLMRoundPipe
 from .decoder import DecoderEmbed, DecoderHead, causal_mask
 
 MODEL_CLASSES = ("GPT2LMHeadModel",)
@@ -42,15 +42,17 @@ class GPT2BlockLayer(nn.Module):
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
-        labels: torch.Tensor | None,
+        extras: dict[str, Any],
     ) -> tuple:
         mask = causal_mask(self.config, hidden, attention_mask, position_ids)
         out = self.block(hidden, attention_mask=mask)
         hidden = out[0] if isinstance(out, tuple) else out
-        return hidden, attention_mask, position_ids, labels
+        return hidden, attention_mask, position_ids, extras
 
 
-def wrap(model: nn.Module, root: nn.Module | None = None, **roundpipe_kwargs: Any) -> RoundPipe:
+def wrap(
+    model: nn.Module, root: nn.Module | None = None, **roundpipe_kwargs: Any
+) -> CausalLMRoundPipe:
     """Wrap a ``GPT2LMHeadModel``; call it like the original (``input_ids``, ``labels``, ...).
 
     ``root`` is the module the RoundPipe model stands for when it is not ``model`` itself
@@ -60,6 +62,6 @@ def wrap(model: nn.Module, root: nn.Module | None = None, **roundpipe_kwargs: An
     layers = [
         GPT2Embed(t.wte, t.wpe, t.drop),
         *[GPT2BlockLayer(b, model.config) for b in t.h],
-        DecoderHead(t.ln_f, model.lm_head, model),
+        DecoderHead(t.ln_f, model.lm_head),
     ]
-    return RoundPipe(model if root is None else root, layers=layers, **roundpipe_kwargs)
+    return CausalLMRoundPipe(model if root is None else root, layers=layers, **roundpipe_kwargs)
