@@ -16,7 +16,10 @@ pipeline (``--target pipeline --num-stages N``) parallel.
 ``layout``        the process layout, and how the main job uses each build target
 ``loop``          :class:`Runner` and :func:`train`: one loop for every target
 ``memory``        :class:`PeakMemory`
-``state``         ``--save`` / ``--resume``
+``lr_schedule``   ``--lr-schedule`` / ``--warmup-steps``: the learning rate of every step
+``evaluation``    ``--eval-data`` / ``--eval-fraction``: eval loss and perplexity
+``state``         ``--save`` / ``--save-every`` / ``--resume``: Hugging Face dir + train state
+``events``        TensorBoard event files beside ``metrics.json``
 ``report``        ``metrics.json``, ``loss.png`` and the end-of-run table
 ``cli``           ``slapo train``
 ================  =====================================================================

@@ -40,8 +40,8 @@ HELP = "train a transformers model (yours, or a small one) on your data or the e
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
 ready schedule, or your model (--model DIR) on your data (--data FILE|DIR), with the family's
 ready schedule or else a generic plan. Under torchrun --nproc-per-node N it runs tensor (--tp),
-data (--target ddp|fsdp) or pipeline (--target pipeline --num-stages N) parallel. Bad input
-exits with status 2."""
+data (--target ddp|fsdp) or pipeline (--target pipeline --num-stages N) parallel. --save writes
+a Hugging Face model directory that --resume continues exactly. Bad input exits with status 2."""
 
 
 def parse_bool(text: str) -> bool:
@@ -83,10 +83,13 @@ def _add_flag(parser: Any, f: Field, hint: Any) -> None:
             flag, type=parse_bool, nargs="?", const=True, default=f.default, help=meta["help"]
         )
     else:
+        # choices are checked by TrainConfig.check, not argparse: a bad one is then one line
+        # naming the flag (exit status 2), not argparse's usage text
+        choices = meta.get("choices")
         parser.add_argument(
             flag,
             type=meta.get("parse") or kind,
-            choices=meta.get("choices"),
+            metavar="{" + ",".join(choices) + "}" if choices else None,
             default=f.default,
             help=meta["help"],
         )
@@ -187,6 +190,11 @@ def train_estimator(command: Sequence[str]) -> Estimator | None:
             args = parser.parse_args(["train", *argv, *config_to_flags(cfg)])
         except (argparse.ArgumentError, SystemExit) as exc:
             raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
-        return estimate_config(config_from_args(args))
+        cfg = config_from_args(args)
+        try:
+            cfg.check()
+        except InputError as exc:  # as argparse's own errors above
+            raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+        return estimate_config(cfg)
 
     return estimate

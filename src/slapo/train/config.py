@@ -16,7 +16,18 @@ from typing import Any
 from ..exceptions import SlapoError
 from .presets import MODELS, PRESETS
 
-__all__ = ["SCHEDULE_KNOBS", "TARGETS", "InputError", "TrainConfig", "option", "parse_attn_op"]
+#: ``--lr-schedule``: what the learning rate does after the warmup.
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+__all__ = [
+    "LR_SCHEDULES",
+    "SCHEDULE_KNOBS",
+    "TARGETS",
+    "InputError",
+    "TrainConfig",
+    "option",
+    "parse_attn_op",
+]
 
 TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
 SCHEDULE_KNOBS = "schedule knobs (slapo.model_schedule.apply_schedule)"
@@ -151,8 +162,36 @@ class TrainConfig:
         None, "write metrics.json and loss.png there (slapo train: runs/<model>-<time> if not set)"
     )
     sample: bool = option(True, "skip the text the trained model generates at the end")
-    save: str | None = option(None, "write a checkpoint there at the end")
-    resume: str | None = option(None, "continue from a --save checkpoint up to --steps")
+    # the optimizer's learning rate over the steps (slapo.train.lr_schedule)
+    lr_schedule: str = option(
+        "constant", "the learning rate after the warmup: cosine or linear decay to 0 at --steps, "
+        "or constant", choices=LR_SCHEDULES,
+    )  # fmt: skip
+    warmup_steps: int = option(0, "steps of linear warmup to --lr")
+    # checkpoints (slapo.train.state)
+    save: str | None = option(
+        None, "write a Hugging Face model directory there at the end (from_pretrained loads "
+        "it; with the tokenizer of the run) and the training state --resume continues from",
+    )  # fmt: skip
+    save_every: int | None = option(
+        None, "also save every N steps into --save's DIR/step-NNNNNN", positive=True
+    )
+    keep: int = option(3, "the --save-every checkpoints kept (the latest)", positive=True)
+    resume: str | None = option(
+        None, "continue exactly from a --save directory (or the latest DIR/step-NNNNNN in it) "
+        "up to --steps",
+    )  # fmt: skip
+    # evaluation (slapo.train.evaluation)
+    eval_data: str | None = option(
+        None, "held-out data (as --data) whose loss and perplexity are measured"
+    )
+    eval_fraction: float | None = option(
+        None, "hold out this fraction (0 to 1) of the end of the training data for evaluation"
+    )
+    eval_every: int | None = option(
+        None, "evaluate every N steps too (always: after the last step)", positive=True
+    )
+    tensorboard: bool = option(True, "write no TensorBoard event files into the run directory")
     progress: bool = option(True, "hide the progress bar")
 
     def check(self) -> None:
@@ -166,7 +205,7 @@ class TrainConfig:
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             flag = "--" + f.name.replace("_", "-")
-            if meta.get("positive") and value <= 0:
+            if meta.get("positive") and value is not None and value <= 0:
                 raise InputError(f"{flag} must be positive, got {value}")
             choices = meta.get("choices")
             if choices is not None and value is not None and value not in choices:  # None: default
@@ -175,3 +214,24 @@ class TrainConfig:
             raise InputError(f"--baseline-steps must be 0 or more, got {self.baseline_steps}")
         if self.compare and (self.save or self.resume):
             raise InputError("--compare trains two models; run --save/--resume without it")
+        self._check_run_options()
+
+    def _check_run_options(self) -> None:
+        """The checkpoint, learning-rate and evaluation flags, alone and together."""
+        if self.warmup_steps < 0:
+            raise InputError(f"--warmup-steps must be 0 or more, got {self.warmup_steps}")
+        if self.save_every is not None and not self.save:
+            raise InputError(
+                f"--save-every {self.save_every} needs --save DIR: the directory the "
+                "checkpoints go into"
+            )
+        fraction = self.eval_fraction
+        if fraction is not None and not 0 < fraction < 1:
+            raise InputError(f"--eval-fraction must be between 0 and 1 (e.g. 0.05), got {fraction}")
+        if fraction is not None and self.eval_data is not None:
+            raise InputError("--eval-data and --eval-fraction both name eval data; pass one")
+        if self.eval_every is not None and self.eval_data is None and fraction is None:
+            raise InputError(
+                f"--eval-every {self.eval_every} needs eval data: --eval-data PATH or "
+                "--eval-fraction F"
+            )

@@ -45,6 +45,9 @@ class RunInputs:
         data: ``--data``'s cache (None without ``--data``).
         prompt: the ids the trained model continues at the end of the run.
         name: what the data is (``--data``'s path, or the embedded corpus).
+        corpus: the embedded corpus's bytes trained on (None: all of it, or ``tokens``).
+        eval_tokens: the held-out data (bytes of the embedded corpus, or tokens; None: none).
+        eval_name: what the held-out data is.
     """
 
     source: ModelSource
@@ -53,6 +56,9 @@ class RunInputs:
     data: TokenData | None = None
     prompt: list[int] = field(default_factory=list)
     name: str = "embedded corpus"
+    corpus: bytes | None = None
+    eval_tokens: bytes | torch.Tensor | None = None
+    eval_name: str | None = None
 
     def describe(self) -> dict[str, Any]:
         """The data of the run, for ``metrics.json`` and the summary."""
@@ -64,6 +70,7 @@ class RunInputs:
             if self.data is None or self.data.path is None
             else str(self.data.path),
             "from_cache": None if self.data is None else self.data.cached,
+            "eval_data": self.eval_name,
         }
 
 
@@ -111,8 +118,42 @@ def prepare_inputs(cfg: TrainConfig) -> RunInputs:
                 f"of --seq-len {cfg.seq_len}; give more text or a smaller --seq-len"
             )
         inputs.prompt = inputs.tokens[:DATA_PROMPT_TOKENS].tolist()
-        return inputs
-    if not isinstance(tokenizer, ByteTokenizer):  # the embedded corpus in the model's tokens
-        inputs.tokens = tokens_of_text(default_corpus().decode("utf-8", "replace"), tokenizer)
-    inputs.prompt = tokenizer.encode([PROMPT])[0]
+    else:
+        if not isinstance(tokenizer, ByteTokenizer):  # the embedded corpus in the model's tokens
+            inputs.tokens = tokens_of_text(default_corpus().decode("utf-8", "replace"), tokenizer)
+        inputs.prompt = tokenizer.encode([PROMPT])[0]
+    _hold_out(cfg, inputs)
     return inputs
+
+
+def _hold_out(cfg: TrainConfig, inputs: RunInputs) -> None:
+    """Set ``inputs``' eval data: ``--eval-data`` tokenized as ``--data`` is, or the last
+    ``--eval-fraction`` of the training data cut off (each part at least one sequence)."""
+    if cfg.eval_data is not None:
+        data = load_tokens(cfg.eval_data, cfg.data_field, inputs.tokenizer)
+        inputs.eval_tokens, inputs.eval_name = data.tokens, cfg.eval_data
+        if len(data.tokens) < cfg.seq_len:
+            raise InputError(
+                f"--eval-data {cfg.eval_data} holds {len(data.tokens)} tokens, fewer than one "
+                f"sequence of --seq-len {cfg.seq_len}; give more text or a smaller --seq-len"
+            )
+        return
+    if cfg.eval_fraction is None:
+        return
+    stream = inputs.tokens if inputs.tokens is not None else default_corpus()
+    cut = int(len(stream) * (1 - cfg.eval_fraction))
+    # bytes windows start anywhere before the end: one more byte than a sequence
+    need = cfg.seq_len + (inputs.tokens is None)
+    for part, size in (("training", cut), ("evaluation", len(stream) - cut)):
+        if size < need:
+            raise InputError(
+                f"--eval-fraction {cfg.eval_fraction} leaves {size} tokens for {part}, fewer "
+                f"than one sequence of --seq-len {cfg.seq_len}; pass a fraction nearer 0.5, "
+                "more data or a smaller --seq-len"
+            )
+    if inputs.tokens is None:
+        inputs.corpus = stream[:cut]
+    else:
+        inputs.tokens = stream[:cut]
+    inputs.eval_tokens = stream[cut:]
+    inputs.eval_name = f"the last {cfg.eval_fraction:g} of {inputs.name}"

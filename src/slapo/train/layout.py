@@ -101,25 +101,35 @@ class TargetUse:
         process_group: start ``torch.distributed`` even for a single process.
         data_parallel: the ranks form a (dp, tp) mesh; False: every rank is a pipeline stage.
         options: ``options(cfg, layout)`` -> the target's ``slapo.build`` options.
-        checkpoints: ``--save``/``--resume`` are wired for it.
+        checkpoint: how ``--save``/``--resume`` keep its state (:mod:`slapo.train.state`):
+            ``"full"`` (a Hugging Face directory of the full weights, gathered under ``--tp``),
+            ``"per-rank"`` (each rank's own part) or None (not wired).
+        evaluates: the built model runs a forward on its own (``--eval-*``).
     """
 
     process_group: bool = False
     data_parallel: bool = True
     options: Callable[[TrainConfig, Layout], dict[str, Any]] = _no_options
-    checkpoints: bool = True
+    checkpoint: str | None = "full"
+    evaluates: bool = True
 
 
 TARGET_USES: dict[str, TargetUse] = {
     "eager": TargetUse(),
-    "roundpipe": TargetUse(),
+    # the optimizer steps RoundPipe's copies of the parameters: saved as they are
+    "roundpipe": TargetUse(checkpoint="per-rank"),
     "ddp": TargetUse(process_group=True, options=_data_parallel_options),
-    "fsdp": TargetUse(process_group=True, options=_data_parallel_options),
+    # FSDP2's parameters and Adam state are DTensors: each rank saves its part
+    "fsdp": TargetUse(process_group=True, options=_data_parallel_options, checkpoint="per-rank"),
     "pipeline": TargetUse(
-        process_group=True, data_parallel=False, options=_pipeline_options, checkpoints=False
-    ),
+        process_group=True,
+        data_parallel=False,
+        options=_pipeline_options,
+        checkpoint=None,
+        evaluates=False,
+    ),  # fmt: skip
     # --save/--resume: DeepSpeed's partitioned state has its own engine.save_checkpoint
-    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoints=False),
+    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoint=None),
 }
 
 
@@ -131,8 +141,13 @@ def setup_layout(cfg: TrainConfig) -> Layout:
         >>> setup_layout(TrainConfig(tp=2)).tp_group   # under torchrun --nproc-per-node 2
     """
     use = TARGET_USES[cfg.target]
-    if not use.checkpoints and (cfg.save or cfg.resume):
+    if use.checkpoint is None and (cfg.save or cfg.resume):
         raise SlapoError(f"--save/--resume are not wired for --target {cfg.target} yet")
+    if use.checkpoint == "per-rank" and cfg.save_every:
+        # each rank's final save replaces its directory whole: no step checkpoints inside
+        raise SlapoError(f"--save-every is not wired for --target {cfg.target} yet (--save is)")
+    if not use.evaluates and (cfg.eval_data or cfg.eval_fraction):
+        raise SlapoError(f"--eval-data/--eval-fraction are not wired for --target {cfg.target}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if use.process_group or world > 1 or cfg.tp > 1:
         env.setup()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -30,14 +31,27 @@ from ..sharding import all_reduce
 from ..sharding.sequence import SP_TAG
 from ..targets import train_step
 from .config import TrainConfig
+from .evaluation import Evaluator, eval_batches, wants_eval
+from .events import Events, open_events
 from .generic import describe_plan
 from .inputs import RunInputs, prepare_inputs
 from .layout import TARGET_USES, Layout, schedule_for, schedule_knobs, setup_layout
+from .lr_schedule import make_scheduler
 from .memory import PeakMemory, estimate_run, estimated_peak_mb
 from .presets import build_model
 from .report import write_outputs
 from .sample import sample_text
-from .state import checkpoint_path, load_state, save_state
+from .state import (
+    RunState,
+    check_resume,
+    check_save,
+    load_run,
+    model_identity,
+    new_record,
+    prune_steps,
+    save_run,
+    step_dir,
+)
 
 #: Steps whose saved bytes :class:`PeakMemory` counts (the rest run without its hooks).
 MEMORY_SAMPLE_STEPS = 3
@@ -62,7 +76,8 @@ def make_batches(
         tokens = MaskedTokenBatches if cfg.model == "bert" else TokenBatches
         return tokens(inputs.tokens, cfg.batch_size, cfg.seq_len, seed=seed)
     cls = MaskedByteBatches if cfg.model == "bert" else ByteBatches
-    return cls(default_corpus(), cfg.batch_size, cfg.seq_len, seed=seed)
+    corpus = inputs.corpus if inputs is not None and inputs.corpus is not None else None
+    return cls(corpus or default_corpus(), cfg.batch_size, cfg.seq_len, seed=seed)
 
 
 def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
@@ -79,7 +94,8 @@ def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
 
 
 class Runner:
-    """A model built for ``cfg.target`` and its optimizer; :meth:`step` is one training step.
+    """A model built for ``cfg.target``, its optimizer and learning-rate scheduler;
+    :meth:`step` is one training step.
 
     Example:
         >>> runner = Runner(TrainConfig(), Layout(), scheduled=True)
@@ -103,13 +119,71 @@ class Runner:
         )
         if layout.tp_group is not None:
             _sum_sequence_parallel_grads(self.model, layout.tp_group)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
+
+    def lr(self) -> float:
+        """The learning rate the next step trains at."""
+        groups = getattr(self.optimizer, "param_groups", None)
+        return float(groups[0]["lr"]) if groups else self.cfg.lr
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on ``batch``; returns its loss (the training-loop contract)."""
         loss = train_step(self.model, batch)
         self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss)
+
+    def state(
+        self, batches: Any, record: dict[str, Any], identity: dict[str, Any], inputs: RunInputs
+    ) -> RunState:
+        """What a checkpoint of this run holds (:mod:`slapo.train.state`)."""
+        return RunState(
+            self.cfg, self.sch.mod, self.model, self.optimizer, self.scheduler, batches, record,
+            self.layout.rank, self.layout.world, TARGET_USES[self.cfg.target].checkpoint or "",
+            identity, inputs.tokenizer,
+        )  # fmt: skip
+
+
+class _Watch:
+    """What the main run does besides training: evaluate, write TensorBoard events, save
+    checkpoints (every ``--save-every`` steps and at the end). The short baseline does none."""
+
+    def __init__(
+        self, cfg: TrainConfig, runner: Runner, inputs: RunInputs, state: Callable[[], RunState]
+    ) -> None:
+        self.cfg, self.runner, self.state = cfg, runner, state
+        has_eval = inputs.eval_tokens is not None
+        self.evaluator = Evaluator(eval_batches(cfg, inputs)) if has_eval else None
+        self.events = Events(None)
+
+    def start(self, step: int) -> None:
+        """Open the event file (rank 0, once a resumed state has loaded: at ``step``)."""
+        cfg = self.cfg
+        if self.runner.layout.rank == 0 and cfg.output_dir and cfg.tensorboard:
+            self.events = open_events(Path(cfg.output_dir), step)
+
+    def after_step(self, step: int, record: dict[str, Any]) -> None:
+        """Record step ``step`` (1-based) and evaluate and save where the flags say."""
+        self.events.add(step, {"train/loss": record["losses"][-1], "train/lr": record["lrs"][-1],
+                               "train/tokens_per_s": record["step_tokens_per_s"][-1]})  # fmt: skip
+        if self.evaluator is not None and wants_eval(self.cfg, step):
+            result = {"step": step, **self.evaluator(self.runner.model)}
+            record["eval"].append(result)
+            self.events.add(step, {"eval/loss": result["loss"],
+                                   "eval/perplexity": result["perplexity"]})  # fmt: skip
+        every, save = self.cfg.save_every, self.cfg.save
+        if save and every and step % every == 0 and step < self.cfg.steps:
+            save_run(step_dir(save, step), self.state(), final=False)
+            if self.runner.layout.rank == 0:
+                prune_steps(save, self.cfg.keep)
+
+    def finish(self) -> None:
+        """Close the event file; the final ``--save``."""
+        self.events.close()
+        if self.cfg.save:
+            save_run(Path(self.cfg.save), self.state())
 
 
 def run_once(
@@ -118,24 +192,33 @@ def run_once(
     scheduled: bool,
     label: str,
     inputs: RunInputs | None = None,
+    watch: bool = True,
 ) -> dict[str, Any]:
     """Train one model (the scheduled or the unscheduled one) on ``inputs`` (default: prepared
-    from ``cfg``); returns its record.
+    from ``cfg``); returns its record. A ``watch``ed run (the main one, not a short baseline)
+    resumes, evaluates, saves checkpoints and writes TensorBoard events as ``cfg`` says.
 
     Example:
         >>> run_once(TrainConfig(steps=2, progress=False), Layout(), True, "scheduled")["label"]
         'scheduled'
     """
     inputs = inputs or prepare_inputs(cfg)
+    if not watch:
+        cfg = replace(cfg, save=None, resume=None)
+    identity = model_identity(cfg) if cfg.save or cfg.resume else {}
+    resume = check_resume(cfg, layout.rank, layout.world, identity) if cfg.resume else None
     runner = Runner(cfg, layout, scheduled)
     batches = make_batches(cfg, layout, inputs)
     estimate = estimate_run(runner, batches)  # before any step: a prediction, not a reading
-    record: dict[str, Any] = {"losses": [], "step_tokens_per_s": [], "seconds": 0.0}
-    if cfg.resume:
-        path = checkpoint_path(cfg.resume, layout.rank, layout.world)
-        record = load_state(path, runner.model, runner.optimizer, batches)
+    record = new_record()
+    state = lambda: runner.state(batches, record, identity, inputs)  # noqa: E731
+    if resume is not None:
+        record.update(load_run(resume, state()))
+    watcher = _Watch(cfg, runner, inputs, state) if watch else None
     tokens = cfg.batch_size * cfg.seq_len * layout.dp_size
     start = len(record["losses"])
+    if watcher is not None:
+        watcher.start(start)
     progress = tqdm(
         total=cfg.steps, initial=start, desc=label, unit="step", dynamic_ncols=True,
         disable=not (cfg.progress and layout.rank == 0),
@@ -144,21 +227,22 @@ def run_once(
     # hooks that count them do not slow the steps whose tokens/s is reported
     with PeakMemory(runner.model, runner.optimizer, sample_steps=MEMORY_SAMPLE_STEPS) as mem:
         t_run = time.perf_counter()
-        for _ in range(start, cfg.steps):
+        for step in range(start + 1, cfg.steps + 1):
+            record["lrs"].append(runner.lr())
             t0 = time.perf_counter()
             record["losses"].append(runner.step(batches.next()))
             mem.next_step()
             record["step_tokens_per_s"].append(tokens / (time.perf_counter() - t0))
+            if watcher is not None:
+                watcher.after_step(step, record)
             progress.set_postfix(
                 loss=f"{record['losses'][-1]:.3f}", tok_s=f"{record['step_tokens_per_s'][-1]:,.0f}"
             )
             progress.update()
         record["seconds"] += time.perf_counter() - t_run
     progress.close()
-    if cfg.save:
-        path = checkpoint_path(cfg.save, layout.rank, layout.world)
-        save_state(path, runner.model, runner.optimizer, batches, record)
-    losses = record["losses"]
+    if watcher is not None:
+        watcher.finish()
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,
@@ -167,16 +251,32 @@ def run_once(
         "parameters": sum(p.numel() for p in runner.model.parameters()),
         "primitives": [str(r) + f" @ {r.path}" for r in runner.sch.metadata.primitives],
         "checkpointed_layers": sum(r.name == "checkpoint" for r in runner.sch.metadata.primitives),
-        "first_loss": losses[0] if losses else float("nan"),
-        "final_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1),
-        "tokens_per_s": _tokens_per_s(record["step_tokens_per_s"]),
         "peak_memory_mb": mem.peak_mb,
         "activation_mb": mem.activation_mb,
         "estimated_peak_mb": estimated_peak_mb(estimate),
         "estimate": None if estimate is None else estimate.as_dict(),
+        **_curve(record),
+        "resumed_from": None if resume is None else str(resume),
+        "resumed_at": start if resume is not None else None,
+        "saved": cfg.save,
+    }
+
+
+def _curve(record: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary entries of its record: losses, learning rates, tokens/s, evaluations."""
+    losses = record["losses"]
+    last_eval = record["eval"][-1] if record["eval"] else {}
+    return {
+        "first_loss": losses[0] if losses else float("nan"),
+        "final_loss": sum(losses[-10:]) / max(len(losses[-10:]), 1),
+        "tokens_per_s": _tokens_per_s(record["step_tokens_per_s"]),
         "seconds": record["seconds"],
         "losses": losses,
+        "lrs": record["lrs"],
         "step_tokens_per_s": record["step_tokens_per_s"],
+        "eval": record["eval"],
+        "eval_loss": last_eval.get("loss"),
+        "eval_perplexity": last_eval.get("perplexity"),
     }
 
 
@@ -238,15 +338,19 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     started_group = not dist.is_initialized()
     try:
         layout = setup_layout(cfg)
+        if TARGET_USES[cfg.target].checkpoint == "full":  # replaced whole by the save
+            check_save(cfg)
+        if cfg.resume:  # a checkpoint of this model, before the baseline trains
+            check_resume(cfg, layout.rank, layout.world, model_identity(cfg))
         runs = []
         if cfg.compare:
-            unscheduled = replace(cfg, save=None)
-            runs.append(run_once(unscheduled, layout, False, "unscheduled", inputs))
+            unscheduled = replace(cfg, save=None, resume=None)
+            runs.append(run_once(unscheduled, layout, False, "unscheduled", inputs, watch=False))
         elif _short_baseline(cfg):  # a few eager steps: tokens/s and memory, side by side
             short = replace(
                 cfg, steps=min(cfg.baseline_steps, cfg.steps), save=None, resume=None
             )  # fmt: skip
-            runs.append(run_once(short, layout, False, "unscheduled", inputs))
+            runs.append(run_once(short, layout, False, "unscheduled", inputs, watch=False))
         runs.append(run_once(cfg, layout, not cfg.unscheduled, "scheduled", inputs))
     finally:
         if started_group and dist.is_initialized():  # leave the process as we found it

@@ -137,6 +137,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("data"):
         count = f", {summary['tokens']:,} tokens" if summary.get("tokens") else ""
         lines.append(f"data: {summary['data']} ({summary['tokenizer']} tokenizer{count})")
+    if summary.get("eval"):
+        last = summary["eval"][-1]
+        lines.append(
+            f"eval: loss {last['loss']:.3f}, perplexity {last['perplexity']:,.2f} after step "
+            f"{last['step']} ({summary.get('eval_data')})"
+        )
+    if summary.get("resumed_from"):
+        lines.append(f"resumed: from {summary['resumed_from']} at step {summary['resumed_at']}")
+    if summary.get("saved"):
+        lines.append(f"saved: {summary['saved']} (from_pretrained loads it; --resume continues)")
     if summary.get("plan"):
         lines.append(f"plan: {summary['plan']}")
     if summary.get("knobs"):

@@ -1,26 +1,131 @@
-"""``--save`` / ``--resume``: the whole training state, written atomically, with no pickle.
+"""``--save`` / ``--save-every`` / ``--resume``: checkpoints of a run, with no pickle anywhere.
+
+A checkpoint directory (the ``full`` layout, :class:`~slapo.train.layout.TargetUse`) is a Hugging
+Face model directory that also holds the training state::
+
+    config.json, model.safetensors   # the full weights (gathered under --tp): from_pretrained
+    tokenizer.json, ...              # the run's tokenizer, when it is not the byte tokenizer
+    optimizer.safetensors            # slapo.save_checkpoint's optimizer state (full tensors)
+    slapo_checkpoint.json            # slapo.save_checkpoint's marker
+    train_state-rank<r>.safetensors  # each rank's RNG streams and data position
+    train_state.json                 # step, LR schedule, loss record, model identity: the marker
+
+It is written into ``<DIR>.tmp-train`` and renamed into place once complete (the
+``train_state.json`` marker last), so a killed save never leaves a directory that resumes.
+``--save-every N`` writes ``DIR/step-NNNNNN`` the same way and keeps the last ``--keep``;
+``--resume DIR`` takes ``DIR`` itself, else its latest complete ``step-NNNNNN``.
+
+Targets whose state is one part per rank (FSDP's DTensors, RoundPipe's optimizer copies: the
+``per-rank`` layout) save each rank's whole state with :func:`slapo.checkpoint_io.save_tree`
+into ``DIR.rank<r>`` (``DIR`` itself for one process).
 
 Example:
-    >>> save_state(Path("ckpt"), model, optimizer, batches, {"losses": [2.0]})
-    >>> load_state(Path("ckpt"), model, optimizer, batches)["losses"]
-    [2.0]
+    >>> save_run(Path("out"), run)             # on every rank
+    >>> record = load_run(Path("out"), run)    # a new Runner's run, restored bit for bit
 """
 
 from __future__ import annotations
 
-from itertools import chain
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from ..data import ByteBatches
+from .config import InputError, TrainConfig
 
-__all__ = ["checkpoint_path", "load_state", "save_state"]
+__all__ = [
+    "STATE_FILE",
+    "RunState",
+    "check_resume",
+    "check_save",
+    "checkpoint_path",
+    "find_checkpoint",
+    "load_run",
+    "model_identity",
+    "new_record",
+    "prune_steps",
+    "save_run",
+    "step_dir",
+]
+
+STATE_FILE = "train_state.json"
+FORMAT = "slapo-train-v1"
+_TMP, _OLD = ".tmp-train", ".old-train"
+_STEP = re.compile(r"step-(\d+)")
 
 
-def checkpoint_path(path: str, rank: int, world: int) -> Path:
-    """``path`` itself for one process; ``path.rank<r>`` for each of several.
+@dataclass
+class RunState:
+    """What a checkpoint holds of a run, live: the built model and its optimizer, LR scheduler
+    (or None), data batches, the loss record, and how the run is laid out.
+
+    Attributes:
+        module: the model whose state-dict names are saved (the schedule's module).
+        model: what ``slapo.build`` returned (a per-rank state saves its state dict).
+        layout: ``"full"`` or ``"per-rank"`` (the target's ``TargetUse.checkpoint``).
+        identity: :func:`model_identity` of the run's model.
+        tokenizer: the run's tokenizer (copied into a full checkpoint when it has files).
+    """
+
+    cfg: TrainConfig
+    module: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    batches: Any
+    record: dict[str, Any]
+    rank: int
+    world: int
+    layout: str
+    identity: dict[str, Any]
+    tokenizer: Any = None
+
+
+def new_record() -> dict[str, Any]:
+    """The empty record of a run: per-step losses, learning rates and tokens/s, evaluations.
+
+    Example:
+        >>> new_record()["losses"]
+        []
+    """
+    return {"losses": [], "lrs": [], "step_tokens_per_s": [], "eval": [], "seconds": 0.0}
+
+
+def model_identity(cfg: TrainConfig) -> dict[str, Any]:
+    """What ``--resume`` checks a checkpoint's model against: the model type, the parameter
+    count and a hash of every state-dict name and full shape of the unscheduled model (built on
+    the meta device: nothing allocated, nothing read).
+
+    Example:
+        >>> model_identity(TrainConfig(model="gpt2"))["model_type"]
+        'gpt2'
+    """
+    from ..initialization import init_empty_weights
+    from .presets import build_model
+
+    with init_empty_weights():
+        model = build_model(cfg, weights=False)
+    shapes = sorted((k, list(v.shape)) for k, v in model.state_dict().items())
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:24]
+    config = getattr(model, "config", None)
+    return {
+        "model_type": getattr(config, "model_type", type(model).__name__),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "shapes": digest,
+    }
+
+
+# ----- where checkpoints are ---------------------------------------------------------------------
+def checkpoint_path(path: str | Path, rank: int, world: int) -> Path:
+    """A per-rank checkpoint's directory: ``path`` itself for one process; ``path.rank<r>``
+    for each of several.
 
     Example:
         >>> checkpoint_path("ckpt", 1, 2).name
@@ -30,63 +135,373 @@ def checkpoint_path(path: str, rank: int, world: int) -> Path:
     return p if world == 1 else p.with_name(f"{p.name}.rank{rank}")
 
 
-def save_state(
-    path: Path, model: Any, optimizer: Any, batches: ByteBatches, record: dict[str, Any]
-) -> None:
-    """Model, optimizer, data generator, RNG and the curve so far, written atomically, no pickle.
+def step_dir(save: str | Path, step: int) -> Path:
+    """Where ``--save-every`` puts the checkpoint of ``step``.
 
-    ``path`` becomes a directory (``slapo.checkpoint_io.save_tree``): the model's tensors in
-    ``model.safetensors`` under their state-dict names (with ``config.json``), the optimizer, data
-    generator and RNG state (a uint8 tensor) in ``state.safetensors``, the loss record and the
-    hyperparameters in JSON. A DTensor (FSDP2) is stored as this rank's part.
+    Example:
+        >>> step_dir("out", 40).name
+        'step-000040'
     """
-    # deferred: checkpoint I/O (safetensors) loads only for --save
-    from ..checkpoint_io import save_tree
+    return Path(save) / f"step-{step:06d}"
+
+
+def _is_full(path: Path) -> bool:
+    return (path / STATE_FILE).is_file()
+
+
+def _is_tree(path: Path) -> bool:
+    from ..checkpoint_io import MARKER, TREE_FORMAT
+
+    try:
+        return json.loads((path / MARKER).read_text()).get("format") == TREE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _steps(path: Path) -> list[tuple[int, Path]]:
+    """The complete full-layout ``step-NNNNNN`` checkpoints in ``path``, oldest first."""
+    if not path.is_dir():
+        return []
+    found = []
+    for child in path.iterdir():
+        match = _STEP.fullmatch(child.name)
+        if match and _is_full(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def find_checkpoint(path: str, rank: int = 0, world: int = 1) -> tuple[Path, str]:
+    """The checkpoint ``--resume path`` continues from and its layout (``"full"`` or
+    ``"per-rank"``): ``path`` itself, else its latest complete ``step-NNNNNN``.
+
+    Example:
+        >>> find_checkpoint("out")   # out/ has step-000010 and step-000020, no final save
+        (PosixPath('out/step-000020'), 'full')
+    """
+    p = Path(path).expanduser()
+    if _is_full(p):
+        return p, "full"
+    if _is_tree(checkpoint_path(p, rank, world)):
+        return p, "per-rank"
+    steps = _steps(p)
+    if steps:
+        return steps[-1][1], "full"
+    if not p.exists() and not checkpoint_path(p, rank, world).exists():
+        raise InputError(f"--resume {path}: no such checkpoint; give a directory --save wrote")
+    if p.is_file():  # an old torch.save pickle, say: never loaded (unpickling runs code)
+        from ..checkpoint_io import CheckpointError
+
+        raise CheckpointError(
+            f"--resume {path} is a file (a torch.save pickle?), not a `slapo train --save` "
+            "directory; slapo never unpickles: give a directory --save wrote"
+        )
+    raise InputError(
+        f"--resume {path} is not a `slapo train --save` checkpoint (no {STATE_FILE}, nor a "
+        "step-NNNNNN checkpoint in it); give a directory --save or --save-every wrote"
+    )
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The ``train_state.json`` of a full checkpoint, checked to be one.
+
+    Example:
+        >>> read_state(Path("out"))["step"]
+        60
+    """
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise InputError(
+            f"--resume {path}: cannot read {STATE_FILE} ({type(exc).__name__}: {exc}); the "
+            "checkpoint is damaged"
+        ) from exc
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise InputError(
+            f"--resume {path}: {STATE_FILE} is not a {FORMAT} state; give a directory "
+            "slapo train --save wrote"
+        )
+    return state
+
+
+def check_model(path: Path, saved: Any, identity: dict[str, Any], cfg: TrainConfig) -> None:
+    """Raise an :class:`InputError` when the checkpoint holds another model than the run's.
+
+    Example:
+        >>> check_model(Path("out"), {"model_type": "gpt2"}, model_identity(cfg), cfg)
+        Traceback (most recent call last):
+        InputError: --resume out holds a gpt2 model ...
+    """
+    if saved == identity:
+        return
+    what = saved if isinstance(saved, dict) else {}
+    count = what.get("parameters")
+    size = f"{count:,} parameters" if isinstance(count, int) else "other shapes"
+    raise InputError(
+        f"--resume {path} holds a {what.get('model_type', 'different')} model ({size}), not "
+        f"this run's --model {cfg.model} --preset {cfg.preset} ({identity['model_type']}, "
+        f"{identity['parameters']:,} parameters); resume with the model it was saved from"
+    )
+
+
+def check_resume(cfg: TrainConfig, rank: int, world: int, identity: dict[str, Any]) -> Path:
+    """The checkpoint ``--resume`` names, checked before anything trains or is written: a
+    checkpoint, of this run's model, saved by as many processes, short of ``--steps``.
+
+    A per-rank checkpoint is checked when it loads (its state is read whole then).
+
+    Example:
+        >>> check_resume(TrainConfig(resume="out", steps=100), 0, 1, identity)
+        PosixPath('out')
+    """
+    assert cfg.resume is not None
+    path, layout = find_checkpoint(cfg.resume, rank, world)
+    if layout != "full":
+        return path
+    state = read_state(path)
+    check_model(path, state.get("model"), identity, cfg)
+    if (state.get("world"), state.get("tp")) != (world, cfg.tp):
+        raise InputError(
+            f"--resume {path} was saved by {state.get('world')} process(es) with --tp "
+            f"{state.get('tp')}; resume it with as many (this run: {world}, --tp {cfg.tp})"
+        )
+    step = state.get("step")
+    if not isinstance(step, int) or step >= cfg.steps:
+        raise InputError(
+            f"--resume {path} has trained {step} steps already; pass a --steps beyond it"
+        )
+    return path
+
+
+def check_save(cfg: TrainConfig) -> None:
+    """Refuse a ``--save`` directory that holds anything but a checkpoint of ``slapo train``:
+    saving replaces the directory, and must not take a user's files with it.
+
+    Example:
+        >>> check_save(TrainConfig(save="."))
+        Traceback (most recent call last):
+        InputError: --save . holds files that are not a slapo train checkpoint ...
+    """
+    if cfg.save is None:
+        return
+    path = Path(cfg.save).expanduser()
+    if path.exists() and not path.is_dir():
+        raise InputError(f"--save {cfg.save} is a file; give a directory to write the model to")
+    if not path.is_dir() or _is_full(path):
+        return
+    # step checkpoints, and what an interrupted save of one left (step-NNNNNN.tmp-train)
+    others = [c.name for c in path.iterdir() if not re.fullmatch(r"step-\d+(\..+)?", c.name)]
+    if others:
+        raise InputError(
+            f"--save {cfg.save} holds files that are not a slapo train checkpoint (e.g. "
+            f"{sorted(others)[0]}); saving replaces the directory: give a new or empty one"
+        )
+
+
+# ----- saving -----------------------------------------------------------------------------------
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    """The RNG streams a step draws from: the CPU generator, and CUDA's where it is used."""
+    state = {"rng.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["rng.cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(tensors: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(tensors["rng.cpu"])
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+
+
+def _rank_tensors(run: RunState) -> dict[str, torch.Tensor]:
+    data = {f"data.{k}": v for k, v in run.batches.state_dict().items()}
+    return {**_rng_state(), **data}
+
+
+def _state_json(run: RunState) -> dict[str, Any]:
+    scheduler = None if run.scheduler is None else run.scheduler.state_dict()
+    return {
+        "format": FORMAT,
+        "step": len(run.record["losses"]),
+        "world": run.world,
+        "tp": run.cfg.tp,
+        "model": run.identity,
+        "scheduler": scheduler,
+        "record": run.record,
+        "config": {"lr": run.cfg.lr, "lr_schedule": run.cfg.lr_schedule,
+                   "warmup_steps": run.cfg.warmup_steps, "steps": run.cfg.steps},
+    }  # fmt: skip
+
+
+def _write_json(file: Path, data: Any) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
+def _swap_in(tmp: Path, path: Path, carry_steps: bool) -> None:
+    """Rename the complete ``tmp`` to ``path``, the old ``path`` aside first and then removed.
+
+    With ``carry_steps`` (the final save of a run with ``--save-every``) the ``step-NNNNNN``
+    checkpoints inside the old ``path`` move into the new one (a rename each).
+    """
+    old = _sibling(path, _OLD)
+    if path.exists():
+        if carry_steps:
+            for _, child in _steps(path):
+                os.rename(child, tmp / child.name)
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_full(path: Path, run: RunState, carry_steps: bool) -> None:
+    """A full checkpoint: every rank joins the gather; each writes its RNG and data state."""
+    import safetensors.torch
+
+    from ..checkpoint_io import save_checkpoint  # deferred: safetensors loads only to save
+
+    tmp = _sibling(path, _TMP)
+    if run.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    save_checkpoint(run.module, tmp, run.optimizer)  # collective: the full weights, gathered
+    rank_file = tmp / f"train_state-rank{run.rank}.safetensors"
+    tensors = {k: v.contiguous() for k, v in _rank_tensors(run).items()}
+    safetensors.torch.save_file(tensors, str(rank_file), metadata={"format": "pt"})
+    _barrier()
+    if run.rank == 0:
+        save_tokenizer = getattr(getattr(run.tokenizer, "tokenizer", None), "save_pretrained", None)
+        if save_tokenizer is not None:  # a transformers tokenizer: from_pretrained(DIR) finds it
+            save_tokenizer(str(tmp))
+        _write_json(tmp / STATE_FILE, _state_json(run))  # the marker, last
+        _swap_in(tmp, path, carry_steps)
+    _barrier()
+
+
+def _save_per_rank(path: Path, run: RunState) -> None:
+    """Each rank's whole state (a DTensor as its own part) in ``path.rank<r>``."""
+    from ..checkpoint_io import save_tree  # deferred: safetensors loads only to save
 
     state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "data": batches.state_dict(),
-        "rng": torch.get_rng_state(),
-        "record": record,
+        "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": None if run.scheduler is None else run.scheduler.state_dict(),
+        "data": run.batches.state_dict(),
+        "rng": _rng_state(),
+        "record": run.record,
+        "identity": run.identity,
     }
-    save_tree(path, state, config=getattr(model, "config", None))
+    config = getattr(run.module, "config", None)
+    save_tree(checkpoint_path(path, run.rank, run.world), state, config=config)
 
 
-def load_state(path: Path, model: Any, optimizer: Any, batches: ByteBatches) -> dict[str, Any]:
-    """Restore what :func:`save_state` wrote into ``model``, ``optimizer`` and ``batches``;
-    returns the record.
+def save_run(path: Path, run: RunState, final: bool = True) -> None:
+    """Save ``run`` into ``path`` (call on every rank); the final save of a run with
+    ``--save-every`` keeps the ``step-NNNNNN`` checkpoints inside ``path``.
 
-    Reads only JSON and safetensors. DTensor entries are rebuilt like the live model's.
+    Example:
+        >>> save_run(Path("out"), run)
+        >>> transformers.AutoModelForCausalLM.from_pretrained("out")   # the trained weights
     """
-    # deferred: checkpoint I/O (safetensors) loads only for --resume
+    if run.layout == "full":
+        _save_full(path, run, carry_steps=final)
+    else:
+        _save_per_rank(path, run)
+
+
+def prune_steps(save: str | Path, keep: int) -> list[Path]:
+    """Remove all but the last ``keep`` ``step-NNNNNN`` checkpoints of ``save`` (rank 0);
+    returns the removed directories.
+
+    Example:
+        >>> [p.name for p in prune_steps("out", keep=2)]
+        ['step-000010']
+    """
+    steps = _steps(Path(save))
+    gone = [p for _, p in steps[: max(len(steps) - keep, 0)]]
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone
+
+
+# ----- loading ----------------------------------------------------------------------------------
+def _load_full(path: Path, run: RunState) -> dict[str, Any]:
+    import safetensors.torch
+
+    from ..checkpoint_io import load_checkpoint
+
+    state = read_state(path)
+    load_checkpoint(run.module, path, run.optimizer)  # each rank keeps its slice of the full
+    rank_file = path / f"train_state-rank{run.rank}.safetensors"
+    if not rank_file.is_file():
+        raise InputError(f"--resume {path} lacks {rank_file.name}: the checkpoint is damaged")
+    tensors = safetensors.torch.load_file(str(rank_file))
+    run.batches.load_state_dict(
+        {k.removeprefix("data."): v for k, v in tensors.items() if k.startswith("data.")}
+    )
+    _set_rng_state(tensors)
+    if run.scheduler is not None and state.get("scheduler") is not None:
+        run.scheduler.load_state_dict(state["scheduler"])
+    return {**new_record(), **state["record"]}
+
+
+def _load_per_rank(path: Path, run: RunState) -> dict[str, Any]:
+    """Restore what :func:`_save_per_rank` wrote (DTensor parts rebuilt like the live ones)."""
+    from itertools import chain
+
     from ..checkpoint_io import CheckpointError, dtensor_like, load_tree
 
+    where = checkpoint_path(path, run.rank, run.world)
     try:
-        state = load_tree(path)
+        state = load_tree(where)
     except CheckpointError as err:
-        raise CheckpointError(f"--resume {path}: {err}") from err
+        raise CheckpointError(f"--resume {where}: {err}") from err
     absent = [k for k in ("model", "optimizer", "data", "rng", "record") if k not in state]
     if absent:
-        raise CheckpointError(
-            f"--resume {path} holds no {absent}: not a `slapo train --save` state"
-        )
+        raise InputError(f"--resume {where} holds no {absent}: not a `slapo train --save` state")
+    check_model(where, state.get("identity"), run.identity, run.cfg)
     try:
-        live = model.state_dict()
-        model_state = {k: dtensor_like(v, live.get(k)) for k, v in state["model"].items()}
-        optim_state = state["optimizer"]
-        saved_ids = chain.from_iterable(g["params"] for g in optim_state.get("param_groups", []))
-        params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
+        live = run.model.state_dict()
+        run.model.load_state_dict(
+            {k: dtensor_like(v, live.get(k)) for k, v in state["model"].items()}
+        )
+        optim = state["optimizer"]
+        saved_ids = chain.from_iterable(g["params"] for g in optim.get("param_groups", []))
+        params = chain.from_iterable(g["params"] for g in run.optimizer.param_groups)
         by_id = dict(zip(saved_ids, params))
-        for i, per_param in optim_state.get("state", {}).items():
+        for i, per_param in optim.get("state", {}).items():
             for key, value in per_param.items():  # exp_avg & co. are laid out like the parameter
                 per_param[key] = dtensor_like(value, by_id.get(i))
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optim_state)
-        batches.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"])
+        run.optimizer.load_state_dict(optim)
+        run.batches.load_state_dict(state["data"])
+        _set_rng_state(state["rng"])
+        if run.scheduler is not None and state.get("scheduler") is not None:
+            run.scheduler.load_state_dict(state["scheduler"])
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CheckpointError(
-            f"--resume {path} does not fit this run (saved with other options?): {err}"
+            f"--resume {where} does not fit this run (saved with other options?): {err}"
         ) from err
-    return state["record"]
+    return {**new_record(), **state["record"]}
+
+
+def load_run(path: Path, run: RunState) -> dict[str, Any]:
+    """Restore a checkpoint into ``run`` (weights, optimizer, LR schedule, data position, RNG
+    streams); returns the record it saved.
+
+    Example:
+        >>> len(load_run(Path("out/step-000020"), run)["losses"])
+        20
+    """
+    return _load_full(path, run) if run.layout == "full" else _load_per_rank(path, run)
