@@ -937,7 +937,7 @@ def check_trace(model_type: str) -> CheckResult:
     blocks, _ = find_blocks(model)
     if not blocks:
         return CheckResult("n/a", "no repeated blocks found")
-    block = _first_decoder_block(model, blocks)
+    block = _first_decoder_block(model, blocks, batches[0]["input_ids"])
     try:
         sch = create_schedule(copy.deepcopy(model))
         sch[block].trace()
@@ -947,15 +947,23 @@ def check_trace(model_type: str) -> CheckResult:
     return _compare_runs(traced, batches, outs, TRACE_SHAPES)
 
 
-def _first_decoder_block(model: nn.Module, blocks: list[str]) -> str:
-    """The first of ``blocks`` inside the text decoder (``get_decoder()``), which a batch of
-    token ids runs (a multimodal model's vision blocks come first); else the first block."""
+def _first_decoder_block(model: nn.Module, blocks: list[str], input_ids: torch.Tensor) -> str:
+    """The first of ``blocks`` a run on token ids alone calls (a multimodal model's vision
+    blocks come first in the module tree but never see token ids); else the first block."""
+    called: list[str] = []
+    handles = [
+        model.get_submodule(p).register_forward_pre_hook(lambda *_, p=p: called.append(p))
+        for p in blocks
+    ]
     try:
-        decoder = model.get_decoder()
-    except Exception:  # noqa: BLE001  (no decoder accessor: the first block)
-        return blocks[0]
-    inside = {id(m) for m in decoder.modules()} if isinstance(decoder, nn.Module) else set()
-    return next((p for p in blocks if id(model.get_submodule(p)) in inside), blocks[0])
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    except Exception:  # noqa: BLE001  (the model needs more than token ids: the first block)
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return called[0] if called else blocks[0]
 
 
 def has_hf_tp_plan(model_type: str) -> bool:

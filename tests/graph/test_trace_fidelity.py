@@ -87,12 +87,37 @@ def test_dynamic_lengths_keep_loss_and_every_gradient():
         _assert_same_step(ref, built, input_ids=ids, attention_mask=mask, labels=ids)
 
 
-def test_an_argument_given_or_left_out_unlike_the_capture_is_a_typed_error():
+def _edit(sch: slapo.Schedule, path: str) -> None:
+    """A primitive applied after tracing: a submodule of the traced graph replaced."""
+    sch[path].replace(copy.deepcopy(sch[path].mod))
+
+
+def test_an_argument_given_or_left_out_unlike_the_capture_is_traced_again():
     model = _bart()
+    ref = copy.deepcopy(model)
     sch = slapo.create_schedule(model)
     gm = sch["model.decoder.layers.0"].trace()  # dummy_inputs have an attention mask
     ids = _ids(2, 8)
-    with pytest.raises(TraceSignatureError, match=r'"model.decoder.layers.0".*"attention_mask"'):
+    _assert_same_step(ref, model, input_ids=ids, labels=ids)  # no mask: traced again
+    hidden = torch.randn(2, 8, 32)
+    mask = torch.zeros(2, 1, 8, 8)
+    layer = ref.model.decoder.layers[0]
+    for encoder, kwargs in ((None, {}), (torch.randn(2, 3, 32), {}), (None, {"use_cache": True})):
+        torch.testing.assert_close(
+            gm(hidden, mask, encoder, **kwargs), layer(hidden, mask, encoder, **kwargs)
+        )
+    assert len(gm._slapo_retrace.exported) == 4  # no mask; use_cache left out; cross; cache
+
+
+def test_an_edited_graph_called_unlike_the_capture_is_a_typed_error():
+    model = _bart()
+    sch = slapo.create_schedule(model)
+    gm = sch["model.decoder.layers.0"].trace()
+    _edit(sch, "model.decoder.layers.0.fc1")
+    ids = _ids(2, 8)
+    with pytest.raises(
+        TraceSignatureError, match=r'"model.decoder.layers.0".*"attention_mask".*edited after'
+    ):
         model(input_ids=ids, labels=ids)  # no mask: the graph would apply the captured one
     hidden = torch.randn(2, 8, 32)
     mask = torch.zeros(2, 1, 8, 8)
@@ -105,20 +130,95 @@ def test_an_argument_given_or_left_out_unlike_the_capture_is_a_typed_error():
         gm(hidden, mask, None, use_cache=True)
 
 
-def test_a_graph_fixed_to_the_captured_length_refuses_another_one():
+def test_a_mask_absent_at_capture_is_traced_again_when_given():
+    model = _bart()
+    ref = copy.deepcopy(model)
+    ids = _ids(2, 10)
+    sch = slapo.create_schedule(model, example_inputs={"input_ids": ids, "labels": ids})
+    sch["model.decoder.layers.0"].trace()  # captured with no attention mask
+    _assert_same_step(ref, model, input_ids=ids, labels=ids)
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0
+    _assert_same_step(ref, model, input_ids=ids, attention_mask=mask, labels=ids)
+
+
+def test_a_graph_fixed_to_the_captured_length_is_traced_again_for_other_lengths():
     model = _rwkv()  # its CPU attention loops over the sequence: export unrolls the loop
     ref = copy.deepcopy(model)
     ids = _ids(2, 12)
     sch = slapo.create_schedule(model, example_inputs={"input_ids": ids, "labels": ids})
-    sch["rwkv.blocks.0"].trace()
+    gm = sch["rwkv.blocks.0"].trace()
     _assert_same_step(ref, model, input_ids=ids, labels=ids)
     other = _ids(3, 12)  # the batch stays free
     _assert_same_step(ref, model, input_ids=other, labels=other)
+    for batch, seq in ((2, 7), (3, 9), (2, 7)):  # traced again for 7 and 9, then reused
+        ids = _ids(batch, seq)
+        _assert_same_step(ref, model, input_ids=ids, labels=ids)
+    retrace = gm._slapo_retrace
+    assert len(retrace.exported) == 2
+    params = dict(gm.named_parameters())
+    for graph, _ in retrace.exported:  # one set of parameters: the graph's own objects
+        assert all(params[n] is p for n, p in graph.named_parameters())
+    assert {id(p) for p in retrace.mod.parameters()} == {id(p) for p in params.values()}
+
+
+def test_an_edited_graph_fixed_to_the_captured_length_refuses_another_one():
+    model = _rwkv()
+    ids = _ids(2, 12)
+    sch = slapo.create_schedule(model, example_inputs={"input_ids": ids, "labels": ids})
+    sch["rwkv.blocks.0"].trace()
+    _edit(sch, "rwkv.blocks.0.feed_forward")
     short = _ids(2, 7)
     with pytest.raises(
-        TraceSignatureError, match=r'"rwkv.blocks.0" \(RwkvBlock\).*size 12 in dim 1'
+        TraceSignatureError,
+        match=r'"rwkv.blocks.0" \(RwkvBlock\).*size 12 in dim 1.*edited after tracing',
     ):
         model(input_ids=short, labels=short)
+
+
+def test_a_graph_edited_in_place_is_not_traced_again():
+    gm = slapo.create_schedule(_Unrolled()).trace(
+        tracer="export", example_inputs=torch.randn(2, 3, 4)
+    )
+    assert gm(torch.randn(2, 5, 4)).shape == (2, 5, 4)  # unedited: traced again
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        neg = gm.graph.call_function(torch.neg, (out.args[0],))
+    out.args = (neg,)
+    gm.recompile()
+    with pytest.raises(TraceSignatureError, match=r"edited after tracing"):
+        gm(torch.randn(2, 6, 4))
+    with pytest.raises(TraceSignatureError, match=r"edited after tracing"):
+        gm(torch.randn(2, 5, 4))  # a graph traced again before the edit is not used either
+
+
+class _Embeddings(nn.Module):
+    """Like BERT's embeddings: optional arguments that default to buffers when None."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = nn.Embedding(VOCAB, 8)
+        self.positions = nn.Embedding(32, 8)
+        self.register_buffer("position_ids", torch.arange(32).unsqueeze(0), persistent=False)
+
+    def forward(self, input_ids=None, position_ids=None, inputs_embeds=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.words(input_ids)
+        if position_ids is None:
+            position_ids = self.position_ids[:, : inputs_embeds.shape[1]]
+        return inputs_embeds + self.positions(position_ids)
+
+
+def test_fx_graph_of_optional_arguments_is_traced_again_for_none():
+    model = _Embeddings()
+    sch = slapo.create_schedule(model)
+    gm = sch.trace(tracer="fx")  # fx takes every optional argument to be given
+    ids = _ids(2, 6)
+    positions = torch.arange(6).expand(2, 6)
+    torch.testing.assert_close(gm(ids, positions), model(ids, positions))
+    torch.testing.assert_close(gm(ids), model(ids))  # traced again
+    embeds = torch.randn(2, 6, 8)
+    torch.testing.assert_close(gm(inputs_embeds=embeds), model(inputs_embeds=embeds))
 
 
 class _ClippedSqrt(torch.autograd.Function):
@@ -207,7 +307,7 @@ def test_the_guard_survives_deepcopy_and_pickling():
     gm = slapo.create_schedule(_Unrolled()).trace(
         tracer="export", example_inputs=torch.randn(2, 3, 4)
     )
-    for copied in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):
+    for copied in (copy.deepcopy(gm), pickle.loads(pickle.dumps(gm))):  # not traced again
         assert copied(torch.randn(5, 3, 4)).shape == (5, 3, 4)
         with pytest.raises(TraceSignatureError, match=r"size 3 in dim 1 of argument 0 \(\"x\"\)"):
             copied(torch.randn(2, 6, 4))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from ..schedule import Primitive, Schedule, register_primitive
@@ -118,7 +119,13 @@ def _infer_inputs(sch: Schedule) -> Any:
         args, kwargs = as_args(root_inputs)
         return {"args": args, "kwargs": kwargs}
     try:
-        args, kwargs = capture_inputs(root.mod, sch.mod, root_inputs)
+        try:
+            args, kwargs = capture_inputs(root.mod, sch.mod, root_inputs)
+        except RuntimeError:
+            fitted = _rows_per_codebook(root.mod, root_inputs)
+            if fitted is None:
+                raise
+            args, kwargs = capture_inputs(root.mod, sch.mod, fitted)
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001  (the model's own error, re-raised typed)
@@ -128,6 +135,22 @@ def _infer_inputs(sch: Schedule) -> Any:
             "create_schedule(model, example_inputs=...) or trace(example_inputs=...)"
         ) from exc
     return {"args": args, "kwargs": kwargs}
+
+
+def _rows_per_codebook(model: nn.Module, inputs: Any) -> Any:
+    """``dummy_inputs`` whose ``input_ids`` rows are a multiple of the model's audio codebooks
+    (MusicGen takes ``batch x codebooks`` rows; transformers' dummy batch has 3); None when the
+    model has no codebooks or the rows fit already."""
+    config = getattr(model, "config", None)
+    books = getattr(config, "num_codebooks", None)
+    books = books or getattr(getattr(config, "decoder", None), "num_codebooks", None)
+    ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+    if not isinstance(books, int) or not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return None
+    if ids.shape[0] % books == 0:
+        return None
+    rows = ids.repeat(books, 1)  # every original row, once per codebook
+    return {**inputs, "input_ids": rows}
 
 
 def _dummy_inputs(model: nn.Module, path: str) -> Any:
@@ -176,10 +199,14 @@ class TracePrimitive(Primitive):
     The traced module keeps every parameter, buffer and plain attribute of the original. A graph
     exported on captured inputs checks each call: another size of a dimension it fixed (a loop
     over the sequence), an optional argument given that was None (or left out that was given),
-    another value of a non-tensor argument raise ``TraceSignatureError`` naming the module and
-    the argument; trace on inputs like the training batch (``create_schedule(model,
-    example_inputs=batch)``) to fix the shapes and arguments it is traced for. A module that
-    keeps state on itself or has a custom backward is refused (``TraceEquivalenceError``).
+    another value of a non-tensor argument make it trace the original module again for that
+    call (kept per signature, at most eight, with the same parameter objects); an fx graph does
+    so for None passed to an optional argument it reads. Once the graph is edited (``fuse``,
+    ``replace``, ``checkpoint`` of a subgraph, ``decompose``, sharding), such a call raises
+    ``TraceSignatureError`` naming the module and the argument instead; trace on inputs like
+    the training batch (``create_schedule(model, example_inputs=batch)``) to fix the shapes and
+    arguments it is traced for. A module that keeps state on itself or has a custom backward is
+    refused (``TraceEquivalenceError``).
 
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))

@@ -14,8 +14,10 @@ A traced module stays true to the module it replaces. It keeps every parameter a
 those the captured call did not use: a missing submodule is the original one, put back) and the
 plain attributes callers read (``attention_type``, ``layer_idx``). An exported graph is only
 valid for calls like the captured one (export fixes a dimension a loop ran over, non-tensor
-arguments, which optional arguments were given): its first call checks each call and raises
-:class:`TraceSignatureError` naming the module and the argument otherwise. A submodule that
+arguments, which optional arguments were given): its first call checks each call, and a call
+unlike the traced one traces the original module again for it (graphs kept per signature, the
+same parameters), or, once the graph was edited by a primitive, raises
+:class:`TraceSignatureError` naming the module and the argument. A submodule that
 assigns attributes during its call (state kept on the module) or calls a custom
 ``autograd.Function`` (a graph keeps no custom backward) stays a call of the original module; the
 traced module itself doing so is refused with :class:`TraceEquivalenceError`.
@@ -25,7 +27,8 @@ through a hooked module (flattening, a decomposed layer inlined), ``sync``'s hoo
 op as a call in the graph; a module with other hooks stays a call.
 
 One file per job: ``capture`` (example inputs of a submodule), ``export`` (the torch.export
-path), ``guard`` (the check of each call of an exported graph), ``effects`` (what a graph cannot
+path), ``guard`` (the check of each call of an exported graph), ``retrace`` (tracing again for
+another signature), ``effects`` (what a graph cannot
 replay), ``keep`` (state and attributes kept), ``fx`` (the symbolic-trace path), ``rewrite``
 (mode-aware dropout), ``inline`` (flattening), ``hooks`` (hooks across inlining), ``leaves`` and
 ``errors`` (shared by both paths), ``api`` (the entry points). The

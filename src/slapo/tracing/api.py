@@ -20,6 +20,7 @@ from .fx import fx_trace
 from .inline import inline_submodules
 from .keep import keep_attributes, keep_state
 from .leaves import Leaves, check_leaves
+from .retrace import install_retrace
 from .rewrite import make_mode_aware
 
 __all__ = ["TRACERS", "resolve_tracer", "trace", "trace_module"]
@@ -101,6 +102,11 @@ def trace_module(
     Layers made by ``decompose`` are inlined into the graph of their caller, so that their
     bias add can be matched with what follows it. One INFO line is logged per trace.
 
+    A call unlike the traced one (another length of a dimension an exported graph fixed, an
+    optional argument given or left out unlike the capture, None for an argument an fx graph
+    reads) traces ``model`` again for that call, while the graph is not edited; see
+    :mod:`slapo.tracing.retrace`.
+
     Example:
         >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
         >>> gm = trace_module(mlp)  # fx: no inputs needed
@@ -118,6 +124,30 @@ def trace_module(
         leaves = [*leaves, *leaf_modules]
     if not recursive:  # every direct child stays a call of the original module
         leaves = [*leaves, *(re.escape(name) for name, _ in mod.named_children())]
+    gm, used = _trace_once(
+        mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs
+    )
+
+    def again(
+        orig: nn.Module, method: str, inputs: Any, concrete: dict[str, Any] | None
+    ) -> fx.GraphModule:
+        return _trace_once(orig, method, inputs, leaves, flatten, concrete, path, None)[0]
+
+    install_retrace(gm, mod, used, again, concrete_args, path)
+    return gm
+
+
+def _trace_once(
+    mod: nn.Module,
+    method: str,
+    example_inputs: Any,
+    leaves: Leaves,
+    flatten: bool,
+    concrete_args: dict[str, Any] | None,
+    path: str,
+    infer_inputs: Callable[[], Any] | None,
+) -> tuple[fx.GraphModule, str]:
+    """One trace of ``mod`` (see :func:`trace_module`); returns the graph and the tracer used."""
     start = time.perf_counter()
     inline = [n for n, m in mod.named_modules() if getattr(m, "_slapo_inline_when_traced", False)]
     with _train_mode(mod):
@@ -143,7 +173,7 @@ def trace_module(
         time.perf_counter() - start,
         f" (fx could not: {_short(fallback)})" if fallback else "",
     )
-    return gm
+    return gm, used
 
 
 def _capture(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
+import re
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,8 +21,9 @@ from ..surgery import label, set_submodule
 from .effects import Effects, watch_effects
 from .errors import TraceEquivalenceError, TraceError, module_stack, raise_trace_error
 from .guard import install_guard
+from .keep import keep_state
 from .leaves import Leaves, is_leaf
-from .verify import pin_unsound_dims
+from .verify import _hooked, _same_on, pin_unsound_dims
 
 __all__ = ["export_module", "is_cache"]
 
@@ -77,7 +79,36 @@ def export_module(
     tensors = tuple(t for t in flat if isinstance(t, torch.Tensor))
     wrapper = _Wrapper(mod, flat, spec)
     ep, leaf_paths = _export_faithfully(wrapper, tensors, leaf_paths, path)
-    gm = _rebuild(ep, mod, leaf_paths, path)
+    failed: TraceError | None = None
+    for _ in range(3):  # a submodule unflatten cannot rebuild is kept as a call (a leaf)
+        try:
+            gm = _rebuild(ep, mod, leaf_paths, path)
+            break
+        except TraceError as exc:
+            more = [] if _hooked(mod) else _unrebuildable(mod, exc.__cause__, leaf_paths)
+            if not more:
+                raise
+            failed = failed or exc
+            get_logger().info(
+                'kept %s of "%s" as calls of the original modules: torch.export cannot rebuild '
+                "them as modules (%s)",
+                ", ".join(more),
+                label(path),
+                exc.__cause__,
+            )
+            ep, leaf_paths = _export_faithfully(
+                wrapper, tensors, _outermost([*leaf_paths, *more]), path
+            )
+    else:
+        gm = _rebuild(ep, mod, leaf_paths, path)
+    if failed is not None:
+        keep_state(gm, mod)  # what the call did not use, as trace_module puts back anyway
+    if failed is not None and not _same_on(gm, mod, (traced_args, traced_kwargs)):
+        raise TraceError(
+            f"{failed} Keeping the submodules it names as calls gives a graph that does not "
+            "compute what the module does on the captured call (the module may call them by "
+            "other methods than forward)."
+        ) from failed
     # The graph holds for calls like the captured one only: check each call (see guard.py).
     guard = install_guard(gm, mod, traced_args, traced_kwargs, ep, path)
     if guard and pin_unsound_dims(gm, mod, traced_args, traced_kwargs, guard):
@@ -89,6 +120,26 @@ def export_module(
         )
     _drop_caches_at_runtime(gm, _cache_arg_names(gm, args, kwargs))
     return gm
+
+
+def _unrebuildable(mod: nn.Module, cause: BaseException | None, leaf_paths: list[str]) -> list[str]:
+    """The submodules of ``mod`` that unflatten failed on, from its ``'X' object has no
+    attribute 'y'`` (a module reached by a data-dependent key or an attribute of a module it
+    does not rebuild): the modules of class X that have ``y`` (the owner of a ModuleDict or
+    ModuleList), not yet leaves."""
+    found = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(cause or ""))
+    if not isinstance(cause, AttributeError) or found is None:
+        return []
+    cls, attr = found.groups()
+    paths = []
+    for p, m in mod.named_modules():
+        if not p or type(m).__name__ != cls or not hasattr(m, attr):
+            continue
+        if isinstance(m, nn.ModuleDict | nn.ModuleList):  # not called: its owner is
+            p = p.rpartition(".")[0]
+        if p and not _covered(p, leaf_paths):
+            paths.append(p)
+    return _outermost(sorted(set(paths)))
 
 
 def _rebuild(

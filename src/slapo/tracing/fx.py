@@ -52,6 +52,7 @@ def fx_trace(
             graph = tracer.trace(mod, concrete_args=concrete_args)
         except Exception as exc:  # noqa: BLE001  (re-raised with the module named)
             raise_trace_error(path, mod, "fx", exc, stack[-1] if stack else "")
+    _keep_argument_names(graph, concrete_args)
     gm = fx.GraphModule(mod, graph, class_name=type(mod).__name__)
     if flatten:
         return gm
@@ -71,6 +72,19 @@ def fx_trace(
         move_hooks(child, traced)
         setattr(gm, name, traced)
     return gm
+
+
+def _keep_argument_names(graph: fx.Graph, concrete_args: dict[str, Any] | None) -> None:
+    """fx names the input of a concrete argument ``x_1``: give it its name back, so the graph
+    takes the module's keyword arguments (``mask=None``)."""
+    if not concrete_args:
+        return
+    taken = {str(n.target) for n in graph.nodes if n.op == "placeholder"}
+    for node in graph.nodes:
+        name = str(node.target).removesuffix("_1")
+        if node.op == "placeholder" and name in concrete_args and name not in taken:
+            node.target = name
+            taken.add(name)
 
 
 def _strip(leaf: str | type, prefix: str) -> str | type:

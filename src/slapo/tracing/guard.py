@@ -2,7 +2,9 @@
 dimension a loop ran over, every non-tensor argument, which optional arguments were given), so
 the graph is only valid for calls like the captured one. The guard, the first call of the graph,
 checks each call against the capture and raises :class:`TraceSignatureError` (naming the module,
-the argument and what differs) instead of silently computing something else.
+the argument and what differs) instead of silently computing something else; the traced module
+catches that error and traces the original module again for the call, unless the graph was
+edited since (``retrace``).
 
 Example:
     >>> from torch import nn
@@ -13,7 +15,10 @@ Example:
     >>> gm = trace_module(Unrolled(), torch.randn(2, 5), tracer="export", path="block")
     >>> gm(torch.randn(3, 5)).shape  # the batch stays free
     torch.Size([3, 5])
-    >>> gm(torch.randn(2, 7))  # doctest: +ELLIPSIS
+    >>> gm(torch.randn(2, 7)).shape  # traced again for this length (see retrace.py)
+    torch.Size([2, 7])
+    >>> gm.register_buffer("edited", torch.ones(1))  # edited after tracing: no more re-tracing
+    >>> gm(torch.randn(2, 9))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     slapo.tracing.errors.TraceSignatureError: "block" (Unrolled) was traced for size 5 in dim 1 of ...
@@ -121,10 +126,12 @@ class SignatureGuard:
         tracer.create_proxy("call_function", check_call, (guard, *values), {})
 
     def _fail(self, traced: str, now: str) -> None:
-        raise TraceSignatureError(
+        exc = TraceSignatureError(
             f"{self.where} was traced for {traced}, but is called with {now}; the graph is "
             f"specialized to the traced call. {self.hint}"
         )
+        exc.guard = self  # type: ignore[attr-defined]  (which graph refused: see retrace.py)
+        raise exc
 
     def _check_arg(self, arg: _Arg, value: Any, bindings: _Bindings) -> None:
         if arg.free and _is_absent(value):

@@ -88,7 +88,8 @@ def _plain_attributes(mod: nn.Module) -> dict[str, Any]:
         for key, value in vars(cls).items():
             if not key.startswith("__") and _is_data(value):
                 found[key] = value
-    found.update((k, v) for k, v in vars(mod).items() if k != "forward" and _is_data(v))
+    skip = ("forward", "_slapo_retrace")  # a traced module's own (retrace.py)
+    found.update((k, v) for k, v in vars(mod).items() if k not in skip and _is_data(v))
     return found
 
 
