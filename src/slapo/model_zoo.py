@@ -949,21 +949,39 @@ def check_trace(model_type: str) -> CheckResult:
 
 def _first_decoder_block(model: nn.Module, blocks: list[str], input_ids: torch.Tensor) -> str:
     """The first of ``blocks`` a run on token ids alone calls (a multimodal model's vision
-    blocks come first in the module tree but never see token ids); else the first block."""
+    blocks come first in the module tree but never see token ids), else the first such member of
+    a list of like composite modules (GIT keeps only its vision layers whole); else the first
+    block."""
+    lists = [
+        f"{path}.{name}"
+        for path, mod in model.named_modules()
+        if isinstance(mod, nn.ModuleList) and len({type(c) for c in mod.children()}) == 1
+        for name, child in mod._modules.items()
+        if child is not None and any(True for _ in child.children())
+    ]
+    for candidates in (blocks, [p for p in lists if p not in blocks]):
+        called = _called_first(model, candidates, input_ids)
+        if called is not None:
+            return called
+    return blocks[0]
+
+
+def _called_first(model: nn.Module, paths: list[str], input_ids: torch.Tensor) -> str | None:
+    """The first of ``paths`` a run of ``model`` on ``input_ids`` calls, or None."""
     called: list[str] = []
     handles = [
         model.get_submodule(p).register_forward_pre_hook(lambda *_, p=p: called.append(p))
-        for p in blocks
+        for p in paths
     ]
     try:
         with torch.no_grad():
             model(input_ids=input_ids)
-    except Exception:  # noqa: BLE001  (the model needs more than token ids: the first block)
+    except Exception:  # noqa: BLE001  (the model needs more than token ids)
         pass
     finally:
         for handle in handles:
             handle.remove()
-    return called[0] if called else blocks[0]
+    return called[0] if called else None
 
 
 def has_hf_tp_plan(model_type: str) -> bool:
