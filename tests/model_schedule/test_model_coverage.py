@@ -69,8 +69,17 @@ OVERRIDDEN = ("roberta", "gpt_neo", "mamba2", "deepseek_v32", "blt", "musicgen",
 
 @pytest.mark.parametrize("model_type", OVERRIDDEN)
 def test_overridden_types_train_eagerly(model_type: str) -> None:
+    import transformers
+
+    if _version(transformers.__version__) < _version(model_zoo.CONFIGS_WRITTEN_FOR):
+        # the overrides name the config fields of the transformers they were written for
+        pytest.skip(f"tiny configs written for transformers {model_zoo.CONFIGS_WRITTEN_FOR}")
     result = model_zoo.check_eager(model_type)
     assert result.status == "equal", _explain(model_type, "eager", result)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(".")[:2])
 
 
 def test_drafter_is_not_applicable() -> None:

@@ -13,6 +13,9 @@ from slapo import model_zoo
 from slapo.exceptions import SlapoError
 from slapo.model_schedule import STYLES, TPPlan, from_hf_plan
 
+#: Cases whose Hugging Face plan is incomplete in older transformers releases (refused there).
+OLDER_PLANS_REFUSED = ("llama4_text",)
+
 
 @pytest.fixture(scope="module")
 def report():
@@ -26,6 +29,11 @@ def report():
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_keeps_loss_and_every_gradient(report, case):
     for rank, result in enumerate(report):
+        if isinstance(result[case], str):  # refused, typed
+            # transformers before 5.24 gives Llama 4's experts no "moe_tp_experts" entry: nothing
+            # would reduce the split expert weights, and the plan is refused by name
+            assert case in OLDER_PLANS_REFUSED and "neither marked" in result[case], result[case]
+            continue
         ref_loss, loss, worst, where, sharded = result[case]
         assert sharded > 0, f"{case}: nothing sharded"
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)

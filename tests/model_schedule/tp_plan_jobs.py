@@ -58,7 +58,13 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
         model = copy.deepcopy(ref)
         batch = model_zoo.sample_batch(ref)
         ref_loss, ref_grads = model_zoo.train_step(ref, batch)
-        sch = apply_schedule(model, group=torch.distributed.group.WORLD, ckpt_ratio=0.0, **knobs)
+        try:
+            sch = apply_schedule(
+                model, group=torch.distributed.group.WORLD, ckpt_ratio=0.0, **knobs
+            )
+        except SlapoError as exc:  # judged by the test (an older transformers' plan)
+            out[case] = str(exc)
+            continue
         model, _ = slapo.build(sch, init_weights=False)
         loss, grads = model_zoo.train_step(model, batch)
         worst, where = _relative_worst(model, grads, ref_grads)

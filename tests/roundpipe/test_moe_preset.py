@@ -4,6 +4,7 @@ training against plain PyTorch."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -194,6 +195,8 @@ def test_training_curve_matches_pytorch(two_devices):
 
 def test_lora_on_attention_and_experts_matches(two_devices):
     peft = pytest.importorskip("peft")
+    if "target_parameters" not in inspect.signature(peft.LoraConfig).parameters:
+        pytest.skip(f"peft {peft.__version__} cannot put LoRA on expert parameters")
     lora = peft.LoraConfig(
         r=4,
         target_modules=["q_proj", "v_proj"],
