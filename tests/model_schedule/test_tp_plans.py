@@ -28,6 +28,8 @@ def report():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_keeps_loss_and_every_gradient(report, case):
+    if report[0][case] is None:
+        pytest.skip(f"{CASES[case][0]} is newer than the installed transformers")
     for rank, result in enumerate(report):
         if isinstance(result[case], str):  # refused, typed
             # transformers before 5.24 gives Llama 4's experts no "moe_tp_experts" entry: nothing
@@ -48,7 +50,8 @@ def test_plans_that_cannot_be_right_raise_typed_errors(report):
     assert "no rowwise projection to reduce it" in errors["no row"]
     assert "sequence_parallel: the plan uses experts" in errors["sequence parallel experts"]
     # Hugging Face's own plan splits Inkling 2's packed gate/up weight across its halves
-    assert '"gate_up_proj" 64, "down_proj" 32 features' in errors["packed halves"]
+    if errors["packed halves"] is not None:  # (a model type of transformers 5.24)
+        assert '"gate_up_proj" 64, "down_proj" 32 features' in errors["packed halves"]
 
 
 def test_hf_plans_translate_to_our_styles():

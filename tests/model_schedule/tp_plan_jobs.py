@@ -52,7 +52,11 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
     """Per case: (reference loss, loss, worst relative gradient difference, its parameter,
     sharded parameter count)."""
     out: dict[str, Any] = {}
+    known = set(model_zoo.causal_lm_types())
     for case, (model_type, knobs, _) in CASES.items():
+        if model_type not in known:  # newer than the installed transformers
+            out[case] = None
+            continue
         torch.manual_seed(0)
         ref = model_zoo.tiny_model(model_type)
         model = copy.deepcopy(ref)
@@ -74,10 +78,10 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _errors() -> dict[str, str]:
+def _errors() -> dict[str, str | None]:
     """The typed errors of plans that cannot be right."""
     group = torch.distributed.group.WORLD
-    errors: dict[str, str] = {}
+    errors: dict[str, str | None] = {}
     cases = {
         "heads": lambda: _odd_heads(group),
         "no row": lambda: apply_tp_plan(
@@ -91,7 +95,11 @@ def _errors() -> dict[str, str]:
             model_zoo.tiny_model("mixtral"), group=group, ckpt_ratio=0.0, sequence_parallel=True
         ),
     }
+    known = set(model_zoo.causal_lm_types())
     for name, make in cases.items():
+        if name == "packed halves" and "inkling2_text" not in known:
+            errors[name] = None
+            continue
         try:
             make()
             errors[name] = "no error"
