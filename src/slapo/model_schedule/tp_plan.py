@@ -166,9 +166,6 @@ class AppliedPlan:
     summed: list[str] = field(default_factory=list)
     unmatched: list[str] = field(default_factory=list)
 
-    def count(self) -> int:
-        return sum(len(paths) for paths in self.sharded.values())
-
 
 def _regex(pattern: str) -> re.Pattern[str]:
     parts = [r"[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")]
