@@ -38,3 +38,14 @@ def ranks4():
     return check_all(
         run_workers(jobs.job4, 4, args=(PG_TIMEOUT,), timeout=PG_TIMEOUT, deadline=200)
     )
+
+
+@pytest.fixture(scope="session")
+def ranks8():
+    import target_jobs as jobs
+
+    from dist_utils import check_all, run_workers
+
+    return check_all(
+        run_workers(jobs.job8, 8, args=(PG_TIMEOUT,), timeout=PG_TIMEOUT, deadline=300)
+    )

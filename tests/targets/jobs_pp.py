@@ -120,6 +120,60 @@ def check_pp_tp(family: str, world: int) -> None:
     assert sharded, "no tensor-parallel parameter on this stage"
 
 
+def check_dp_pp_tp(family: str, world: int, tp: int) -> None:
+    """dp x 2 stages x tp: each data-parallel rank steps on its slice of the batch; the loss is
+    the whole batch's, every gradient (slice) the single process's, clipping uses its norm, and
+    a second step without zero_grad accumulates once more."""
+    import plans
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slapo.sharding import get_shard_spec
+
+    dp = world // (2 * tp)
+    mesh = init_device_mesh("cpu", (dp, 2, tp), mesh_dim_names=("dp", "pp", "tp"))
+    # one process: the whole batch in dp * MICRO microbatches, as the replicas split it
+    ref_loss, ref_grads = reference(family, micro=dp * MICRO)
+    model = make(family)
+    unique = dict(model.named_parameters())  # a tied weight once
+    ref_norm = torch.cat([ref_grads[n].flatten() for n in unique]).norm()
+    sch = slapo.create_schedule(model, group=mesh["tp"] if tp > 1 else None)
+    if tp > 1:
+        plans.PLANS[family](sch, tp, **({"vocab_parallel": False} if family == "gpt2" else {}))
+    specs = {n: get_shard_spec(p) for n, p in sch.mod.named_parameters(remove_duplicate=False)}
+    sch[CUTS[(family, 2)][0]].cut_pipeline_stage()
+    ids, labels = data()
+    rows = len(ids) // dp
+    mine = slice(mesh["dp"].get_local_rank() * rows, (mesh["dp"].get_local_rank() + 1) * rows)
+    engine, _ = slapo.build(
+        sch,
+        target="pipeline",
+        schedule="1F1B",
+        num_microbatches=MICRO,
+        loss_fn=loss_fn,
+        example_inputs=ids[mine],
+        group=mesh,
+    )
+    assert engine.dp_size == dp
+    loss = engine.step(ids[mine], target=labels[mine])
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+
+    def want(name: str) -> torch.Tensor:
+        spec = specs[name]
+        return ref_grads[name] if spec is None else spec.local_slice(ref_grads[name])
+
+    for name, p in engine.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        torch.testing.assert_close(p.grad, want(name), **TOL, msg=lambda m, n=name: n + m)
+    engine.step(ids[mine], target=labels[mine])  # accumulates: twice the gradient
+    for name, p in engine.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * want(name), **TOL, msg=lambda m, n=name: n + m)
+    norm = engine.clip_grad_norm_(1e-3)
+    torch.testing.assert_close(norm, 2 * ref_norm, rtol=1e-5, atol=0)
+    scale = 1e-3 / (2 * ref_norm + 1e-6)
+    for name, p in engine.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * scale * want(name), **TOL)
+
+
 def check_all_params_covered(world: int) -> None:
     """Every parameter of the model is on some stage, under its own name; the table lists them."""
     import torch.distributed as dist
@@ -281,5 +335,15 @@ def pp4_checks(rank: int, world: int, pg_timeout: float) -> dict:
         "llama_1f1b": lambda: check_equivalence("llama", 4, "1F1B", micro=4),
         "pp_x_tp_gpt2": lambda: check_pp_tp("gpt2", world),
         "pp_x_tp_llama": lambda: check_pp_tp("llama", world),
+        "dp_x_pp_gpt2": lambda: check_dp_pp_tp("gpt2", world, tp=1),
+        "dp_x_pp_llama": lambda: check_dp_pp_tp("llama", world, tp=1),
         "stage_failure": lambda: check_stage_failure(rank, world, pg_timeout),
+    }
+
+
+def pp8_checks(rank: int, world: int, pg_timeout: float) -> dict:
+    """Checks of the 8-rank job: dp 2 x pp 2 x tp 2."""
+    return {
+        "dp_pp_tp_gpt2": lambda: check_dp_pp_tp("gpt2", world, tp=2),
+        "dp_pp_tp_llama": lambda: check_dp_pp_tp("llama", world, tp=2),
     }

@@ -1,4 +1,4 @@
-"""The two spawned jobs of the suite: every check of the 2-rank and of the 4-rank tests.
+"""The spawned jobs of the suite: every check of the 2-, 4- and 8-rank tests.
 
 A check that makes a stage fail breaks the group's links, so it runs last.
 """
@@ -31,3 +31,7 @@ def job4(rank: int, world: int, pg_timeout: float) -> dict[str, str | None]:
             **jobs_pp.pp4_checks(rank, world, pg_timeout),
         }
     )
+
+
+def job8(rank: int, world: int, pg_timeout: float) -> dict[str, str | None]:
+    return run_checks(jobs_pp.pp8_checks(rank, world, pg_timeout))

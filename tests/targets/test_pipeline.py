@@ -45,6 +45,8 @@ def test_pp2(ranks2, check):
         "llama_1f1b",
         "pp_x_tp_gpt2",
         "pp_x_tp_llama",
+        "dp_x_pp_gpt2",
+        "dp_x_pp_llama",
         "stage_failure",
     ],
 )
@@ -54,6 +56,13 @@ def test_pp4(ranks4, check):
     ``stage_failure``: ranks two hops from the failing stage fail promptly with its error too.
     """
     assert_check(ranks4, check)
+
+
+@pytest.mark.parametrize("check", ["dp_pp_tp_gpt2", "dp_pp_tp_llama"])
+def test_dp_pp_tp(ranks8, check):
+    """3D: 2 data-parallel replicas x 2 stages x 2 tensor ranks on one ("dp", "pp", "tp") mesh:
+    the whole batch's loss, each rank's gradient slices, clipping by the global norm."""
+    assert_check(ranks8, check)
 
 
 def test_cut_records_and_alias():

@@ -26,6 +26,7 @@ from ..exceptions import TargetError
 from ..logger import get_logger
 from ..pipeline import TiedGradSync, find_tie_groups, format_table, partition_model, stage_table
 from ..pipeline.failure import FailTogether
+from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import (
     OptimizerSpec,
@@ -65,6 +66,8 @@ class _Plan:
     pp_rank: int
     device: torch.device
     blocks: list[str]
+    dp_group: dist.ProcessGroup | None = None  # the replicas of this rank's stages (None: one)
+    tp_group: dist.ProcessGroup | None = None  # the mesh's "tp" dimension (None: none)
 
     @property
     def num_stages(self) -> int:
@@ -104,6 +107,11 @@ class PipelineEngine:
         self._names = _positional_names(plan.model)  # cut to the traced inputs once built
         self._mode: bool | None = None  # train()/eval() asked for before the stages exist
         self._optimizers: list[torch.optim.Optimizer] = []
+        self.dp_group = plan.dp_group
+        self.dp_size = dist.get_world_size(plan.dp_group) if plan.dp_group is not None else 1
+        self.dp_rank = dist.get_rank(plan.dp_group) if plan.dp_group is not None else 0
+        self.tp_group = plan.tp_group
+        self._average = ReplicaGradAverage(plan.dp_group) if self.dp_size > 1 else None
 
     @property
     def built(self) -> bool:
@@ -174,7 +182,8 @@ class PipelineEngine:
             )
 
     def step(self, *inputs: torch.Tensor, target: Any = None) -> torch.Tensor:
-        """One forward and backward of the batch; returns the mean microbatch loss on every rank.
+        """One forward and backward of the batch; returns the mean microbatch loss on every rank
+        (with data-parallel replicas, the mean over the replicas: the global batch's loss).
 
         Gradients accumulate into the stage parameters (the optimizer steps and zeroes them).
         Every rank passes the same arguments; only the first stage reads ``inputs`` and only
@@ -188,12 +197,15 @@ class PipelineEngine:
             self.build(*inputs)
         self._check_inputs(inputs)
         losses: list[torch.Tensor] = []
-        with self._fail:
+        params = list(self.parameters())
+        with self._fail, FreshGrads(params):
             args = inputs if self.is_first else ()
             kwargs = {"target": target, "losses": losses} if self.is_last else {}
             self.schedule.step(*args, **kwargs)
             assert self._ties is not None  # set with the schedule
             self._ties()
+            if self._average is not None:
+                self._average(params)
             loss = (
                 torch.stack([x.detach().float() for x in losses]).mean()
                 if losses
@@ -201,6 +213,9 @@ class PipelineEngine:
             )
             src = self.stage_to_rank[self.num_stages - 1]
             dist.broadcast(loss, group=self.group, group_src=src)
+            if self.dp_group is not None:  # the global batch's loss: the replicas' mean
+                dist.all_reduce(loss, group=self.dp_group)
+                loss /= self.dp_size
         return loss
 
     def train_step(self, batch: Batch) -> torch.Tensor:
@@ -276,6 +291,46 @@ class PipelineEngine:
         for _, p in self.named_parameters():
             yield p
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that the whole model's 2-norm is at most ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_`` on one process; returns the norm before clipping.
+
+        The norm covers every stage, every tensor-parallel slice and no weight twice: a tied
+        weight counts on the first stage holding it, a replicated one on tensor rank 0; the
+        data-parallel replicas hold equal (averaged) gradients and count once. Call it after
+        the step, before ``optimizer.step()``, on every rank.
+
+        Example:
+            >>> loss = slapo.train_step(engine, batch)
+            >>> engine.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+        """
+        # deferred: the shard specs live with the sharding package, which the stages use anyway
+        from ..sharding import get_shard_spec
+
+        if norm_type != 2.0:
+            raise TargetError(f"pipeline: clip_grad_norm_ computes the 2-norm, not {norm_type}")
+        first_holder = {
+            n: min(t.stages) for t in (self._ties.ties if self._ties else ()) for n in t.names
+        }
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
+        counted, grads, seen = [], [], set()
+        for stage, mod in self.stage_modules.items():
+            for name, p in mod.named_parameters(remove_duplicate=False):
+                if p.grad is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                grads.append(p.grad)
+                if first_holder.get(name, stage) != stage:
+                    continue  # a tied copy: its first stage counts it
+                if get_shard_spec(p) is None and tp_rank != 0:
+                    continue  # replicated over the tensor ranks: rank 0 counts it
+                counted.append(p.grad)
+        total = global_grad_norm(counted, [self.group, self.tp_group])
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+        return total.float()
+
     def train(self, mode: bool = True) -> PipelineEngine:
         self._mode = mode
         for mod in self.stage_modules.values():
@@ -335,6 +390,7 @@ def build_pipeline(
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout: float = 60.0,
+    data_parallel: str = "ddp",
 ) -> tuple[PipelineEngine, torch.optim.Optimizer | None]:
     """Split the model at its cuts and run this rank's stage(s) with a torch pipeline schedule.
 
@@ -356,9 +412,15 @@ def build_pipeline(
         forward_kwargs: constant keyword arguments of the model's forward during tracing
             (default ``{"use_cache": False}`` when the forward takes ``use_cache``).
         group: ``None`` (all ranks form the pipeline) or a DeviceMesh: 1-D, or with a ``"pp"``
-            dimension (e.g. ``("pp", "tp")`` for pipeline x tensor parallelism: schedule the
-            model with ``create_schedule(model, group=mesh["tp"])`` and its tensor-parallel
-            primitives before the build; each stage runs its collectives on its ``tp`` group).
+            dimension and optionally ``"dp"`` and ``"tp"`` (``("dp", "pp", "tp")`` for 3D
+            parallelism, as torchtitan lays it out). With ``"tp"``, schedule the model with
+            ``create_schedule(model, group=mesh["tp"])`` and its tensor-parallel primitives
+            before the build; each stage runs its collectives on its ``tp`` group. With ``"dp"``,
+            each data-parallel rank feeds its own slice of the global batch and the step's
+            gradients are averaged over the replicas of its stage (``data_parallel=``).
+        data_parallel: how replicas of a stage share gradients: ``"ddp"`` (each replica holds
+            the whole stage; the step's gradients are all-reduced in buckets after the schedule,
+            so tied weights, tensor-parallel hooks and gradient accumulation stay exact).
         optimizer: an optimizer class or factory. Built here over this rank's stage parameters;
             when the stages wait for the first step, built here over the model's parameters
             and narrowed to this rank's stage parameters when the stages are built (before the
@@ -398,6 +460,11 @@ def build_pipeline(
     inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
     model = sch.mod
     pp_group, pp_groups = _pp_groups(group)
+    if data_parallel != "ddp":
+        raise TargetError(
+            f'pipeline: data_parallel={data_parallel!r} is not supported; use "ddp" (the '
+            "replicas of each stage average the step's gradients)"
+        )
     pp_size = len(pp_groups[0])
     num_stages = len(cuts) + 1
     _check_stage_count(num_stages, pp_size, single, schedule)
@@ -420,6 +487,8 @@ def build_pipeline(
         pp_rank=dist.get_rank(pp_group) if pp_group is not None else dist.get_rank(),
         device=torch.device(device) if device is not None else default_device(),
         blocks=default_blocks(sch),
+        dp_group=_mesh_group(group, "dp"),
+        tp_group=_mesh_group(group, "tp"),
     )
     engine = PipelineEngine(plan, FailTogether(_stages_of_rank(pp_groups, stage_to_rank), timeout))
     if inputs is None:
@@ -491,6 +560,14 @@ def _pp_groups(group: Any) -> tuple[dist.ProcessGroup | None, list[list[int]]]:
     dim = names.index("pp")
     ranks = group.mesh.movedim(dim, -1).reshape(-1, group.mesh.shape[dim]).tolist()
     return group["pp"].get_group(), ranks
+
+
+def _mesh_group(group: Any, name: str) -> dist.ProcessGroup | None:
+    """The process group of ``group``'s mesh dimension ``name`` (None: no such dimension)."""
+    if not isinstance(group, DeviceMesh) or name not in (group.mesh_dim_names or ()):
+        return None
+    sub = group[name]
+    return sub.get_group() if sub.size() > 1 else None
 
 
 def _check_stage_count(stages: int, ranks: int, single: bool, schedule: str) -> None:

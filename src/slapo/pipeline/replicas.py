@@ -1,0 +1,120 @@
+"""Data parallelism across pipeline replicas: the gradient sums a pipeline step makes after its
+schedule ran, and the global gradient norm over every dimension of a ``("dp", "pp", "tp")`` mesh.
+
+A pipeline step's gradients are finished in three passes over this rank's stage parameters:
+tied copies summed over the stages holding them (:class:`~slapo.pipeline.TiedGradSync`), then
+averaged over the data-parallel replicas (:class:`ReplicaGradAverage`). Both act on the gradient
+of *this* step only: :class:`FreshGrads` sets the accumulated gradients aside before the schedule
+runs and adds them back after, so that accumulating over several steps (no ``zero_grad`` in
+between) sums each step's finished gradient once, as DDP does.
+
+Example:
+    >>> with FreshGrads(params):
+    ...     schedule.step(ids, target=labels)
+    ...     ties(); ReplicaGradAverage(dp_group)(params)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+__all__ = ["FreshGrads", "ReplicaGradAverage", "global_grad_norm"]
+
+#: Bytes all-reduced at once: large enough to amortise a collective's latency, small enough not
+#: to double the gradient memory (DDP's default bucket is 25 MiB).
+BUCKET_BYTES = 25 * 2**20
+
+
+class FreshGrads:
+    """Set the parameters' accumulated gradients aside for a block; add them back after it.
+
+    Inside the block the parameters hold only what the block's backward produced, which the
+    pipeline's gradient passes may then sum over ranks without summing older steps again.
+
+    Example:
+        >>> with FreshGrads(list(model.parameters())):
+        ...     loss.backward(); average(params)   # reduces this backward's gradients only
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        self.params = list(params)
+        self._kept: list[torch.Tensor | None] = []
+
+    def __enter__(self) -> FreshGrads:
+        self._kept = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p, old in zip(self.params, self._kept):
+            if old is None:
+                continue
+            p.grad = old if p.grad is None else old.add_(p.grad)
+        self._kept = []
+
+
+class ReplicaGradAverage:
+    """Average gradients over the data-parallel replicas of a pipeline (DDP's all-reduce).
+
+    Gradients are flattened into buckets of :data:`BUCKET_BYTES` per dtype and all-reduced over
+    ``group``; every replica holds the same parameters in the same order (the same stage of the
+    same model), so the buckets line up. A parameter without a gradient on this step has none on
+    any replica (the replicas run the same graph) and is skipped.
+
+    Example:
+        >>> ReplicaGradAverage(mesh["dp"].get_group())(engine.parameters())
+    """
+
+    def __init__(self, group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        for bucket in _buckets(grads, self.bucket_bytes):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat, group=self.group)
+            flat.div_(self.size)
+            for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(reduced)
+
+
+def _buckets(grads: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+    for g in grads:
+        runs = by_dtype.setdefault(g.dtype, [[]])
+        if runs[-1] and sum(t.numel() * t.element_size() for t in runs[-1]) >= limit:
+            runs.append([])
+        runs[-1].append(g)
+    return [b for runs in by_dtype.values() for b in runs if b]
+
+
+def global_grad_norm(
+    counted: Sequence[torch.Tensor], groups: Sequence[dist.ProcessGroup | None]
+) -> torch.Tensor:
+    """The 2-norm of the whole model's gradient from each rank's ``counted`` gradients.
+
+    ``counted`` are this rank's gradients that no other rank in ``groups`` counts (a slice of a
+    tensor-parallel weight on every rank; a replicated weight on one rank of its group; a tied
+    weight on one of its stages); their squared sums are added over each group of ``groups``.
+
+    Example:
+        >>> global_grad_norm([p.grad for p in mine], [pp_group, tp_group])
+        tensor(1.2345)
+    """
+    device = counted[0].device if counted else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in counted:
+        total += g.detach().double().pow(2).sum()
+    for group in groups:
+        if group is not None:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
