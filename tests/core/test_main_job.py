@@ -194,7 +194,7 @@ def test_torchrun_fsdp_resume_continues_the_loss_curve(tmp_path):
 def test_bad_options_are_clear_errors(tmp_path):
     from slapo.exceptions import SlapoError
 
-    with pytest.raises(SlapoError, match="--tp 2 needs 2 processes"):
+    with pytest.raises(SlapoError, match="--tp 2 needs a multiple of 2 processes, not 1"):
         train(TrainConfig(tp=2, **SMALL))
     with pytest.raises(SlapoError, match="--resume .*: no such checkpoint"):
         train(TrainConfig(resume=str(tmp_path / "missing.pt"), **SMALL))
@@ -240,29 +240,23 @@ def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_data_and_pipeline_parallel_start_from_the_one_process_loss(tmp_path):
-    """Rank 0's first batch is the one-process batch: every target's first loss must match it."""
+def test_torchrun_data_and_pipeline_parallel_follow_the_one_process_loss(tmp_path):
+    """Two processes: ddp and fsdp are 2 replicas on slices of a global batch of 2 x 4 (one
+    process's batch of 8); the pipeline is 2 stages of one replica (one process's batch of 4)."""
     args = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
-    runs = {
-        "one": [sys.executable, "-m", "slapo", "train"],
-        **{
-            target: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                     "--master-port", str(free_port()), "-m", "slapo", "train", "--target", target]
-            for target in ("ddp", "fsdp", "pipeline")
-        },
-    }  # fmt: skip
-    first = {}
-    for name, cmd in runs.items():
-        extra = ["--num-stages", "2"] if name == "pipeline" else []
-        out_dir = tmp_path / name
-        done = subprocess.run(
-            [*cmd, *args, *extra, "--output-dir", str(out_dir)],
-            capture_output=True, text=True, timeout=240,
-        )  # fmt: skip
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        first[name] = json.loads((out_dir / "metrics.json").read_text())["losses"][0]
-    for name in ("ddp", "fsdp", "pipeline"):
-        assert abs(first[name] - first["one"]) < 1e-4, first
+    one = {b: train(TrainConfig(**{**SMALL, "steps": 2, "batch_size": b}))["losses"]
+           for b in (4, 8)}  # fmt: skip
+    for target, batch in (("ddp", 8), ("fsdp", 8), ("pipeline", 4)):
+        extra = ["--num-stages", "2"] if target == "pipeline" else []
+        out_dir = tmp_path / target
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(free_port()), "-m", "slapo", "train", "--target", target,
+               *args, *extra, "--baseline-steps", "0", "--no-sample",
+               "--output-dir", str(out_dir)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, f"{target}: {done.stderr[-3000:]}"
+        losses = json.loads((out_dir / "metrics.json").read_text())["losses"]
+        torch.testing.assert_close(losses, one[batch], rtol=0, atol=1e-4, msg=target)
 
 
 def test_cli_lists_primitives(capsys):

@@ -40,7 +40,7 @@ HELP = "train a transformers model (yours, or a small one) on your data or the e
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
 ready schedule, or your model (--model DIR) on your data (--data FILE|DIR), with the family's
 ready schedule or else a generic plan. Under torchrun --nproc-per-node N it runs tensor (--tp),
-data (--target ddp|fsdp) or pipeline (--target pipeline --num-stages N) parallel. --save writes
+data (--target ddp|fsdp) or pipeline (--pp P) parallel, or all three: dp = N / (tp * pp). --save writes
 a Hugging Face model directory that --resume continues exactly. Bad input exits with status 2."""
 
 
@@ -68,6 +68,7 @@ def _value_type(hint: Any) -> Any:
 
 def _add_flag(parser: Any, f: Field, hint: Any) -> None:
     meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+    flags = (flag, *meta.get("aliases", ()))
     kind = _value_type(hint)
     if kind is bool and f.default:
         # default SUPPRESS: no "(default: True)" in the help of a flag that turns it off
@@ -87,7 +88,7 @@ def _add_flag(parser: Any, f: Field, hint: Any) -> None:
         # naming the flag (exit status 2), not argparse's usage text
         choices = meta.get("choices")
         parser.add_argument(
-            flag,
+            *flags,
             type=meta.get("parse") or kind,
             metavar="{" + ",".join(choices) + "}" if choices else None,
             default=f.default,

@@ -71,16 +71,20 @@ def option(
     group: str | None = None,
     parse: Any = None,
     positive: bool = False,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A :class:`TrainConfig` field and its flag: ``help`` text, allowed ``choices``, the
     argparse ``group`` it is listed under, a ``parse`` function for the flag's text (default: the
-    field's type), and whether it must be ``positive``. A bool field defaulting to True becomes a
+    field's type), whether it must be ``positive``, and older spellings of the flag (``aliases``). A bool field defaulting to True becomes a
     ``--no-<name>`` flag whose ``help`` says what it turns off.
 
     Example:
         >>> steps: int = option(500, "total optimizer steps", positive=True)
     """
-    meta = {"help": help, "choices": choices, "group": group, "parse": parse, "positive": positive}
+    meta = {
+        "help": help, "choices": choices, "group": group, "parse": parse, "positive": positive,
+        "aliases": aliases,
+    }  # fmt: skip
     return field(default=default, metadata=meta)
 
 
@@ -149,8 +153,15 @@ class TrainConfig:
     tp: int = option(
         1, "tensor-parallel size (under torchrun)", group=SCHEDULE_KNOBS, positive=True
     )
-    num_stages: int = option(1, "pipeline stages", group=SCHEDULE_KNOBS, positive=True)
-    target: str = option("eager", "build target", choices=TARGETS)
+    pp: int = option(
+        1, "pipeline-parallel stages (under torchrun; --num-stages is the older spelling); the "
+        "processes left over form data-parallel replicas: dp = N / (tp * pp)",
+        group=SCHEDULE_KNOBS, positive=True, aliases=("--num-stages",),
+    )  # fmt: skip
+    target: str = option(
+        "eager", "build target; with --pp 2 or more, the data-parallel engine of the pipeline "
+        "replicas (eager, ddp or pipeline: each replica averages its gradients)", choices=TARGETS,
+    )  # fmt: skip
     num_microbatches: int = option(2, "pipeline only", positive=True)
     # the run
     compare: bool = option(False, "train the unscheduled baseline for all --steps")
@@ -193,6 +204,11 @@ class TrainConfig:
     )
     tensorboard: bool = option(True, "write no TensorBoard event files into the run directory")
     progress: bool = option(True, "hide the progress bar")
+
+    @property
+    def num_stages(self) -> int:
+        """The pipeline stages (``--pp``; ``--num-stages`` is its older spelling)."""
+        return self.pp
 
     def check(self) -> None:
         """Raise an :class:`InputError` naming the flag of the first option out of its range.

@@ -34,6 +34,7 @@ __all__ = [
     "TARGET_USES",
     "Layout",
     "TargetUse",
+    "build_target",
     "schedule_family",
     "schedule_for",
     "schedule_knobs",
@@ -43,7 +44,8 @@ __all__ = [
 
 @dataclass
 class Layout:
-    """How this process takes part: tensor-parallel group, data-parallel rank and size."""
+    """How this process takes part: its groups and coordinates on the ``("dp", "pp", "tp")``
+    mesh (``("dp", "tp")`` without pipeline stages; None on one process)."""
 
     rank: int = 0
     world: int = 1
@@ -51,6 +53,34 @@ class Layout:
     dp_group: Any = None
     dp_rank: int = 0
     dp_size: int = 1
+    mesh: Any = None
+    pp_size: int = 1
+    tp_size: int = 1
+
+    def describe(self) -> str:
+        """The layout in words, for the summary.
+
+        Example:
+            >>> Layout(world=8, dp_size=2, pp_size=2, tp_size=2).describe()
+            'dp 2 x pp 2 x tp 2 (8 processes)'
+        """
+        shape = f"dp {self.dp_size} x pp {self.pp_size} x tp {self.tp_size}"
+        return f"{shape} ({self.world} process{'es' if self.world > 1 else ''})"
+
+
+def build_target(cfg: TrainConfig) -> str:
+    """The ``slapo.build`` target of a run: ``"pipeline"`` with ``--pp`` 2 or more (``--target``
+    then names how its replicas share gradients); ``"ddp"`` for ``--target eager`` with
+    data-parallel replicas (torchrun's processes beyond ``--tp``); else ``--target``.
+
+    Example:
+        >>> build_target(TrainConfig(pp=2, target="ddp")), build_target(TrainConfig())
+        ('pipeline', 'eager')
+    """
+    if cfg.pp > 1:
+        return "pipeline"
+    replicas = int(os.environ.get("WORLD_SIZE", "1")) // cfg.tp
+    return "ddp" if cfg.target == "eager" and replicas > 1 else cfg.target
 
 
 # ----- the targets as the main job uses them -----------------------------------------------------
@@ -62,16 +92,31 @@ def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     return {"group": layout.dp_group}  # with --tp, the mesh's "dp" dimension
 
 
-def _pipeline_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+#: ``--target`` values that run with ``--pp`` 2 or more, and how the replicas of a stage then
+#: share gradients (``slapo.build(..., target="pipeline", data_parallel=)``).
+PIPELINE_DATA_PARALLEL = {"eager": "ddp", "pipeline": "ddp", "ddp": "ddp"}
+
+
+def _check_pipeline(cfg: TrainConfig) -> None:
     if cfg.model not in CAUSAL:
-        raise TargetError(f"--target pipeline supports {CAUSAL} in slapo train, not {cfg.model}")
-    if cfg.num_stages < 2:
-        raise TargetError("--target pipeline needs --num-stages 2 or more")
+        raise TargetError(f"--pp supports {CAUSAL} in slapo train, not {cfg.model}")
+    if cfg.pp < 2:
+        raise TargetError("--target pipeline needs --pp 2 or more (pipeline stages)")
+    if cfg.target not in PIPELINE_DATA_PARALLEL:
+        raise TargetError(
+            f"--pp {cfg.pp} with --target {cfg.target} is not wired in slapo train: the pipeline "
+            f"replicas share gradients with --target {' or '.join(PIPELINE_DATA_PARALLEL)}"
+        )
+
+
+def _pipeline_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
+    _check_pipeline(cfg)
     ids = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=torch.long)
     # The last stage returns logits: the loss shifts the labels as the model's own loss does.
     return {
         "schedule": "1F1B", "num_microbatches": cfg.num_microbatches,
-        "loss_fn": causal_lm_loss, "example_inputs": (ids,),
+        "loss_fn": causal_lm_loss, "example_inputs": (ids,), "group": layout.mesh,
+        "data_parallel": PIPELINE_DATA_PARALLEL[cfg.target],
     }  # fmt: skip
 
 
@@ -80,12 +125,6 @@ DEEPSPEED_ZERO_STAGE = 2
 
 
 def _deepspeed_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    if cfg.num_stages > 1:
-        raise TargetError(
-            "--target deepspeed with --num-stages is not wired in slapo train (every pipeline "
-            "rank needs the same batch); slapo.build(sch, target='deepspeed', ...) runs "
-            "pipeline cuts on DeepSpeed's pipeline engine"
-        )
     return {
         "zero_stage": DEEPSPEED_ZERO_STAGE,
         "micro_batch_size": cfg.batch_size,
@@ -99,75 +138,93 @@ class TargetUse:
 
     Attributes:
         process_group: start ``torch.distributed`` even for a single process.
-        data_parallel: the ranks form a (dp, tp) mesh; False: every rank is a pipeline stage.
         options: ``options(cfg, layout)`` -> the target's ``slapo.build`` options.
         checkpoint: how ``--save``/``--resume`` keep its state (:mod:`slapo.train.state`):
-            ``"full"`` (a Hugging Face directory of the full weights, gathered under ``--tp``),
+            ``"full"`` (a Hugging Face directory of the full weights, gathered under ``--tp``,
+            written by every pipeline stage, ZeRO's optimizer partitions gathered),
             ``"per-rank"`` (each rank's own part) or None (not wired).
         evaluates: the built model runs a forward on its own (``--eval-*``).
+        samples: the trained weights are whole in the schedule's module on rank 0 (the text the
+            trained model writes at the end).
     """
 
     process_group: bool = False
-    data_parallel: bool = True
     options: Callable[[TrainConfig, Layout], dict[str, Any]] = _no_options
     checkpoint: str | None = "full"
     evaluates: bool = True
+    samples: bool = False
 
 
 TARGET_USES: dict[str, TargetUse] = {
-    "eager": TargetUse(),
+    "eager": TargetUse(samples=True),
     # the optimizer steps RoundPipe's copies of the parameters: saved as they are
     "roundpipe": TargetUse(checkpoint="per-rank"),
-    "ddp": TargetUse(process_group=True, options=_data_parallel_options),
+    "ddp": TargetUse(process_group=True, options=_data_parallel_options, samples=True),
     # FSDP2's parameters and Adam state are DTensors: each rank saves its part
     "fsdp": TargetUse(process_group=True, options=_data_parallel_options, checkpoint="per-rank"),
     "pipeline": TargetUse(
         process_group=True,
-        data_parallel=False,
         options=_pipeline_options,
-        checkpoint=None,
+        checkpoint="full",  # each rank writes its stages' tensors into one directory
         evaluates=False,
     ),  # fmt: skip
-    # --save/--resume: DeepSpeed's partitioned state has its own engine.save_checkpoint
-    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoint=None),
+    # ZeRO's partitioned optimizer state is gathered by parameter (DeepSpeed's own pickles)
+    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoint="full"),
 }
 
 
 # ----- the process layout ------------------------------------------------------------------------
 def setup_layout(cfg: TrainConfig) -> Layout:
-    """Start the process group under torchrun and split the ranks into (dp, tp).
+    """Start the process group under torchrun and lay the ranks out on one mesh: ``("dp", "pp",
+    "tp")`` with ``--pp`` 2 or more, else ``("dp", "tp")``; dp = processes / (tp * pp), the
+    tensor-parallel ranks adjacent (as torchtitan lays them out: the busiest links innermost).
 
     Example:
-        >>> setup_layout(TrainConfig(tp=2)).tp_group   # under torchrun --nproc-per-node 2
+        >>> setup_layout(TrainConfig(tp=2, pp=2)).describe()  # torchrun --nproc-per-node 8
+        'dp 2 x pp 2 x tp 2 (8 processes)'
     """
-    use = TARGET_USES[cfg.target]
+    target = build_target(cfg)
+    use = TARGET_USES[target]
     if use.checkpoint is None and (cfg.save or cfg.resume):
-        raise SlapoError(f"--save/--resume are not wired for --target {cfg.target} yet")
+        raise SlapoError(f"--save/--resume are not wired for --target {target} yet")
     if use.checkpoint == "per-rank" and cfg.save_every:
         # each rank's final save replaces its directory whole: no step checkpoints inside
-        raise SlapoError(f"--save-every is not wired for --target {cfg.target} yet (--save is)")
+        raise SlapoError(f"--save-every is not wired for --target {target} yet (--save is)")
     if not use.evaluates and (cfg.eval_data or cfg.eval_fraction):
-        raise SlapoError(f"--eval-data/--eval-fraction are not wired for --target {cfg.target}")
+        raise SlapoError(f"--eval-data/--eval-fraction are not wired for --target {target}")
+    if target == "pipeline":
+        _check_pipeline(cfg)
+    model_parallel = cfg.tp * cfg.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if use.process_group or world > 1 or cfg.tp > 1:
+    if use.process_group or world > 1 or model_parallel > 1:
         env.setup()
         world = dist.get_world_size()
+    if world % model_parallel:
+        flags = " x ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
+        raise SlapoError(
+            f"{flags} needs a multiple of {model_parallel} processes, not {world}: "
+            f"torchrun --nproc-per-node {model_parallel} (or a multiple, for data parallelism)"
+        )
     if world == 1:
-        if cfg.tp > 1:
-            raise SlapoError(f"--tp {cfg.tp} needs {cfg.tp} processes: torchrun --nproc-per-node")
         return Layout()
-    if world % cfg.tp:
-        raise SlapoError(f"--tp {cfg.tp} does not divide the {world} processes")
-    rank = dist.get_rank()
-    if not use.data_parallel:
-        if cfg.tp > 1:
-            raise SlapoError(f"--target {cfg.target} with --tp is not wired in slapo train")
-        return Layout(rank, world)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    mesh = init_device_mesh(device, (world // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp"))
-    tp = mesh["tp"] if cfg.tp > 1 else None
-    dp_rank = mesh["dp"].get_local_rank()
-    return Layout(rank, world, tp, mesh["dp"], dp_rank, world // cfg.tp)
+    dp = world // model_parallel
+    if cfg.pp > 1:
+        shape, names = (dp, cfg.pp, cfg.tp), ("dp", "pp", "tp")
+    else:
+        shape, names = (dp, cfg.tp), ("dp", "tp")
+    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    return Layout(
+        rank=dist.get_rank(),
+        world=world,
+        tp_group=mesh["tp"] if cfg.tp > 1 else None,
+        dp_group=mesh["dp"],
+        dp_rank=mesh["dp"].get_local_rank(),
+        dp_size=dp,
+        mesh=mesh,
+        pp_size=cfg.pp,
+        tp_size=cfg.tp,
+    )
 
 
 def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, Any]:
@@ -189,7 +246,7 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     family = schedule_family(cfg.model)
     defaults = GENERIC_KNOBS if family is None else recommended_knobs(family)
     knobs = {"ckpt_ratio": 0.0, **defaults}
-    if cfg.target != "eager" or cfg.tp > 1 or cfg.num_stages > 1:
+    if cfg.target != "eager" or cfg.tp > 1 or cfg.pp > 1:
         knobs["compile_model"] = False
     given = {
         "ckpt_ratio": cfg.ckpt_ratio, "ckpt_policy": cfg.ckpt_policy,
@@ -200,7 +257,7 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     knobs.update({k: v for k, v in given.items() if v is not None})
     if knobs.get("attn_op") == "model":
         knobs["attn_op"] = None  # the model's own attention
-    knobs.update(sequence_parallel=cfg.sequence_parallel, num_stages=cfg.num_stages)
+    knobs.update(sequence_parallel=cfg.sequence_parallel, num_stages=cfg.pp)
     if layout is not None and layout.tp_group is not None:
         knobs["group"] = layout.tp_group
     return knobs

@@ -35,7 +35,7 @@ from .evaluation import Evaluator, eval_batches, wants_eval
 from .events import Events, open_events
 from .generic import describe_plan
 from .inputs import RunInputs, prepare_inputs
-from .layout import TARGET_USES, Layout, schedule_for, schedule_knobs, setup_layout
+from .layout import TARGET_USES, Layout, build_target, schedule_for, schedule_knobs, setup_layout
 from .lr_schedule import make_scheduler
 from .memory import PeakMemory, estimate_run, estimated_peak_mb
 from .presets import build_model
@@ -65,19 +65,47 @@ def make_batches(
     """This rank's batches of the run's tokens: ``inputs.tokens`` (``--data``), else the
     embedded corpus as bytes (masked for BERT).
 
-    Each data-parallel rank draws its own batches; tensor-parallel peers draw the same ones.
+    The global batch is ``--batch-size`` x dp, drawn as one process with that batch size draws
+    it; each data-parallel rank trains on its own slice of it, so a run on dp replicas follows
+    the loss curve of one process with dp times the batch. Tensor-parallel and pipeline peers
+    take the same slice.
 
     Example:
         >>> make_batches(TrainConfig(batch_size=2, seq_len=16), Layout()).next()["input_ids"].shape
         torch.Size([2, 16])
     """
-    seed = cfg.seed + 1000 * layout.dp_rank
+    size = cfg.batch_size * layout.dp_size
     if inputs is not None and inputs.tokens is not None:
         tokens = MaskedTokenBatches if cfg.model == "bert" else TokenBatches
-        return tokens(inputs.tokens, cfg.batch_size, cfg.seq_len, seed=seed)
-    cls = MaskedByteBatches if cfg.model == "bert" else ByteBatches
-    corpus = inputs.corpus if inputs is not None and inputs.corpus is not None else None
-    return cls(corpus or default_corpus(), cfg.batch_size, cfg.seq_len, seed=seed)
+        batches = tokens(inputs.tokens, size, cfg.seq_len, seed=cfg.seed)
+    else:
+        cls = MaskedByteBatches if cfg.model == "bert" else ByteBatches
+        corpus = inputs.corpus if inputs is not None and inputs.corpus is not None else None
+        batches = cls(corpus or default_corpus(), size, cfg.seq_len, seed=cfg.seed)
+    if layout.dp_size == 1:
+        return batches
+    return ReplicaSlice(batches, layout.dp_rank, cfg.batch_size)
+
+
+class ReplicaSlice:
+    """One data-parallel rank's rows of the global batches of ``batches`` (with their state).
+
+    Example:
+        >>> ReplicaSlice(ByteBatches(corpus, 4, 8), rank=1, rows=2).next()["input_ids"].shape
+        torch.Size([2, 8])
+    """
+
+    def __init__(self, batches: Any, rank: int, rows: int) -> None:
+        self.batches, self.rows = batches, slice(rank * rows, (rank + 1) * rows)
+
+    def next(self) -> dict[str, torch.Tensor]:
+        return {k: v[self.rows] for k, v in self.batches.next().items()}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.batches.load_state_dict(state)
 
 
 def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
@@ -108,10 +136,11 @@ class Runner:
         model = build_model(cfg)
         model.train()
         self.sch = schedule_for(cfg, model, layout, scheduled)
-        options = TARGET_USES[cfg.target].options(cfg, layout)
+        self.target = build_target(cfg)
+        options = TARGET_USES[self.target].options(cfg, layout)
         self.model, self.optimizer = build(
             self.sch,
-            target=cfg.target,
+            target=self.target,
             init_weights=False,
             optimizer=torch.optim.AdamW,
             optimizer_kwargs={"lr": cfg.lr},
@@ -128,11 +157,15 @@ class Runner:
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on ``batch``; returns its loss (the training-loop contract)."""
-        loss = train_step(self.model, batch)
+        loss = train_step(self.model, batch).detach()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.layout.dp_size > 1:  # the global batch's loss: the mean over the replicas
+            loss = loss.float().clone()
+            dist.all_reduce(loss, group=self.layout.dp_group.get_group())
+            loss /= self.layout.dp_size
         return float(loss)
 
     def state(
@@ -141,7 +174,7 @@ class Runner:
         """What a checkpoint of this run holds (:mod:`slapo.train.state`)."""
         return RunState(
             self.cfg, self.sch.mod, self.model, self.optimizer, self.scheduler, batches, record,
-            self.layout.rank, self.layout.world, TARGET_USES[self.cfg.target].checkpoint or "",
+            self.layout.rank, self.layout.world, TARGET_USES[self.target].checkpoint or "",
             identity, inputs.tokenizer,
         )  # fmt: skip
 
@@ -243,12 +276,16 @@ def run_once(
     progress.close()
     if watcher is not None:
         watcher.finish()
+    parameters = sum(p.numel() for p in runner.model.parameters())
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,
         "plan": describe_plan(runner.sch),
         "sample": _sample(cfg, layout, runner, inputs) if scheduled and cfg.sample else None,
-        "parameters": sum(p.numel() for p in runner.model.parameters()),
+        "parameters": parameters,
+        "layout": layout.describe(),
+        "target": runner.target,
+        "ranks": _per_rank(layout, parameters, mem.peak_mb, estimated_peak_mb(estimate)),
         "primitives": [str(r) + f" @ {r.path}" for r in runner.sch.metadata.primitives],
         "checkpointed_layers": sum(r.name == "checkpoint" for r in runner.sch.metadata.primitives),
         "peak_memory_mb": mem.peak_mb,
@@ -260,6 +297,28 @@ def run_once(
         "resumed_at": start if resume is not None else None,
         "saved": cfg.save,
     }
+
+
+def _per_rank(
+    layout: Layout, parameters: int, peak_mb: float, estimate_mb: float | None
+) -> list[dict[str, Any]]:
+    """Each rank's parameters held, measured peak and estimate (MiB), gathered on every rank.
+
+    Gathered as one float64 tensor per rank (no pickled objects between processes).
+    """
+    mine = torch.tensor(
+        [parameters, peak_mb, float("nan") if estimate_mb is None else estimate_mb],
+        dtype=torch.float64,
+    )
+    rows = [mine]
+    if layout.world > 1:
+        rows = [torch.empty_like(mine) for _ in range(layout.world)]
+        dist.all_gather(rows, mine)
+    return [
+        {"rank": r, "parameters": int(row[0]), "peak_memory_mb": float(row[1]),
+         "estimated_peak_mb": None if row[2].isnan() else float(row[2])}
+        for r, row in enumerate(rows)
+    ]  # fmt: skip
 
 
 def _curve(record: dict[str, Any]) -> dict[str, Any]:
@@ -280,16 +339,12 @@ def _curve(record: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# Targets whose trained weights are whole in the schedule's module on rank 0.
-SAMPLED_TARGETS = ("eager", "ddp")
-
-
 def _sample(
     cfg: TrainConfig, layout: Layout, runner: Runner, inputs: RunInputs
 ) -> list[str] | None:
     """Text the trained model writes (rank 0; None on other ranks and targets that shard or
     stream the weights)."""
-    if layout.rank != 0 or cfg.target not in SAMPLED_TARGETS or cfg.tp > 1:
+    if layout.rank != 0 or not TARGET_USES[build_target(cfg)].samples or cfg.tp > 1:
         return None
     family = cfg.model if inputs.source.kind == "family" else "causal"
     return sample_text(
@@ -308,7 +363,7 @@ def _tokens_per_s(step_tps: list[float]) -> float:
 def _short_baseline(cfg: TrainConfig) -> bool:
     """Whether the run measures a short unscheduled baseline first: not for an unscheduled run,
     nor on the pipeline target, whose stages come from the schedule's cuts."""
-    return cfg.baseline_steps > 0 and not cfg.unscheduled and cfg.target != "pipeline"
+    return cfg.baseline_steps > 0 and not cfg.unscheduled and build_target(cfg) != "pipeline"
 
 
 class _KnownCheckpointNotice(logging.Filter):
@@ -338,7 +393,7 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     started_group = not dist.is_initialized()
     try:
         layout = setup_layout(cfg)
-        if TARGET_USES[cfg.target].checkpoint == "full":  # replaced whole by the save
+        if TARGET_USES[build_target(cfg)].checkpoint == "full":  # replaced whole by the save
             check_save(cfg)
         if cfg.resume:  # a checkpoint of this model, before the baseline trains
             check_resume(cfg, layout.rank, layout.world, model_identity(cfg))

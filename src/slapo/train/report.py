@@ -92,6 +92,22 @@ def _estimate_cell(run: dict[str, Any]) -> str:
     return f"{est:,.1f}{off}"
 
 
+def _rank_lines(summary: dict[str, Any]) -> list[str]:
+    """The layout and, with several processes, what each rank holds: parameters, measured peak
+    and the estimate made before the run."""
+    ranks = summary.get("ranks") or []
+    if len(ranks) < 2:
+        return []
+    lines = [f"layout: {summary.get('layout')}", "  rank  parameters  peak (MiB)  estimate (MiB)"]
+    for r in ranks:
+        est = r["estimated_peak_mb"]
+        lines.append(
+            f"  {r['rank']:>4}  {r['parameters']:>10,}  {r['peak_memory_mb']:>10,.1f}  "
+            f"{'n/a' if est is None else f'{est:,.1f}':>14}"
+        )
+    return lines
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table; with ``--compare``, the baseline and the scheduled run side by side."""
     runs = [summary["baseline"], summary] if "baseline" in summary else [summary]
@@ -123,12 +139,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         "",
         f"slapo train: {cfg['model']} ({cfg['preset']}), {cfg['steps']} steps, target "
-        f"{cfg['target']}, {summary['world_size']} process(es)",
+        f"{summary.get('target', cfg['target'])}, {summary['world_size']} process(es)",
         "-" * (width + 2 + sum(w + 2 for w in colw)),
         f"{'':<{width}}  " + "  ".join(f"{h:>{w}}" for h, w in zip(header[1:], colw)),
     ]
     for i, name in enumerate(names):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c[i]:>{w}}" for c, w in zip(cols, colw)))
+    lines += _rank_lines(summary)
     if len(runs) > 1 and runs[0]["tokens_per_s"] and runs[0]["peak_memory_mb"]:
         speed = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
         memory = runs[1]["peak_memory_mb"] / runs[0]["peak_memory_mb"]

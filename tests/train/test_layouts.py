@@ -1,0 +1,107 @@
+"""`slapo train` on data x pipeline x tensor parallel layouts: the one-process loss curve.
+
+Under ``torchrun --nproc-per-node N ... --tp T --pp P`` the run has dp = N / (T * P) replicas,
+each training on its slice of a global batch of ``--batch-size`` x dp; the loss curve must be the
+one process's with that global batch. Two torchrun launchers on loopback stand for two nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port
+from slapo.train import TrainConfig, train
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
+
+STEPS, SEQ = 30, 32
+RUN = ["--steps", str(STEPS), "--seq-len", str(SEQ), "--no-progress", "--no-sample",
+       "--baseline-steps", "0"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[int, list[float]]:
+    """The one-process loss curves for global batches of 8 and 16."""
+    cfg = {"steps": STEPS, "seq_len": SEQ, "progress": False, "sample": False,
+           "baseline_steps": 0}  # fmt: skip
+    return {b: train(TrainConfig(batch_size=b, **cfg))["losses"] for b in (8, 16)}
+
+
+def _torchrun(nproc: int, args: list[str], out: Path, node: tuple[int, int, int] | None = None):
+    """``python -m torch.distributed.run`` on loopback; ``node``: (nnodes, node_rank, port)."""
+    if node is None:
+        launch = ["--nproc-per-node", str(nproc), "--master-port", str(free_port())]
+    else:
+        nnodes, node_rank, port = node
+        launch = ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                  "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "slapo", "train",
+           *RUN, *args, "--output-dir", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _losses(proc: subprocess.Popen, out: Path) -> tuple[list[float], dict]:
+    stdout, stderr = proc.communicate(timeout=540)
+    assert proc.returncode == 0, stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    return metrics["losses"], {"stdout": stdout, **metrics}
+
+
+def _same_curve(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) == STEPS
+    # the issue's bar: first losses within 0.02, final within 3%; float32 reorders sums only, so
+    # the whole curve stays far closer (measured: 1e-6 over 30 steps)
+    assert abs(got[0] - want[0]) < 0.02 and abs(got[-1] - want[-1]) < 0.03 * want[-1]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 2e-3, (got, want)
+    assert got[-1] < 0.75 * got[0]  # it trains
+
+
+@pytest.mark.parametrize(
+    "nproc, flags, batch",
+    [
+        (8, ["--tp", "2", "--pp", "2"], 16),  # dp 2 x pp 2 x tp 2
+        (4, ["--tp", "2"], 16),  # dp 2 x tp 2
+        (4, ["--tp", "2", "--pp", "2"], 8),  # pp 2 x tp 2
+    ],
+    ids=["dp2-pp2-tp2", "dp2-tp2", "pp2-tp2"],  # dp2-pp2: the two-node test below
+)
+def test_layout_follows_the_one_process_curve(tmp_path, one_process, nproc, flags, batch):
+    out = tmp_path / "run"
+    losses, metrics = _losses(_torchrun(nproc, ["--batch-size", "8", *flags], out), out)
+    _same_curve(losses, one_process[batch])
+    ranks = metrics["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(nproc))
+    assert all(r["parameters"] > 0 and r["peak_memory_mb"] > 0 for r in ranks)
+    dp = batch // 8
+    assert f"dp {dp} x" in metrics["layout"] and "layout:" in metrics["stdout"]
+
+
+def test_two_nodes_on_loopback_give_the_one_node_curve(tmp_path, one_process):
+    """Two torchrun launchers, two processes each, meeting at a c10d rendezvous on 127.0.0.1:
+    dp 2 x pp 2 spread over the two "nodes" (``--num-stages``: the older spelling of ``--pp``)."""
+    out, port = tmp_path / "run", free_port()
+    flags = ["--batch-size", "8", "--num-stages", "2"]
+    nodes = [_torchrun(2, flags, out, node=(2, rank, port)) for rank in (0, 1)]
+    for proc in nodes:  # global rank 0 (which writes metrics.json) is on either node
+        _, stderr = proc.communicate(timeout=540)
+        assert proc.returncode == 0, stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    losses = metrics["losses"]
+    assert metrics["world_size"] == 4
+    _same_curve(losses, one_process[16])
+
+
+def test_layouts_that_do_not_fit_the_processes_are_named():
+    from slapo.exceptions import SlapoError
+
+    base = {"steps": 1, "batch_size": 2, "seq_len": 16, "progress": False}
+    with pytest.raises(SlapoError, match=r"--tp 2 x --pp 2 needs a multiple of 4 processes"):
+        train(TrainConfig(tp=2, pp=2, **base))
+    with pytest.raises(SlapoError, match="--pp 2 with --target fsdp is not wired"):
+        train(TrainConfig(pp=2, target="fsdp", **base))
