@@ -82,6 +82,38 @@ def check_dp_tp(family: str, target: str, rank: int, world: int) -> None:
         torch.testing.assert_close(full(p).detach(), want, **TOL, msg=lambda m, n=name: n + m)
 
 
+def check_replicated_grads(target: str, world: int) -> None:
+    """Qwen3's ready schedule on a dp x tp mesh: its per-head norms stay whole while their heads
+    are split, and their gradients are summed over the tensor ranks by a parameter hook
+    (``sync(mode="bwd_param")``). FSDP2 swaps the parameter objects (sharded DTensors, and the
+    unsharded ones forward and backward use): the sums must still happen, once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slapo.model_schedule import apply_schedule
+    from slapo.model_zoo import tiny_model
+    from slapo.sharding import get_shard_spec
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))
+    ref = tiny_model("qwen3")
+    ref(input_ids=ids, labels=ids).loss.backward()
+    sch = apply_schedule(tiny_model("qwen3"), group=mesh["tp"], ckpt_ratio=0.0)
+    specs = {n: get_shard_spec(p) for n, p in sch.mod.named_parameters()}
+    model, _ = slapo.build(sch, target=target, group=mesh["dp"])
+    rows = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() + 2)
+    for _ in range(2):  # the second step: the hooks hold on the re-gathered parameters
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids[rows], labels=ids[rows]).loss.backward()
+    norms = 0
+    for name, p in model.named_parameters():
+        name = name.removeprefix("module.")
+        want = ref.get_parameter(name).grad
+        want = want if specs[name] is None else specs[name].local_slice(want)
+        norms += "q_norm" in name
+        torch.testing.assert_close(full(p.grad), want, **TOL, msg=lambda m, n=name: n + m)
+    assert norms, "no per-head norm checked"
+
+
 def check_fsdp_blocks() -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -140,4 +172,6 @@ def dp_tp_checks(rank: int, world: int) -> dict:
     return {
         "ddp_tp_llama": lambda: check_dp_tp("llama", "ddp", rank, world),
         "fsdp_tp_gpt2": lambda: check_dp_tp("gpt2", "fsdp", rank, world),
+        "fsdp_tp_replicated_grads": lambda: check_replicated_grads("fsdp", world),
+        "ddp_tp_replicated_grads": lambda: check_replicated_grads("ddp", world),
     }

@@ -24,7 +24,9 @@ def test_dp2(ranks2, check):
     assert_check(ranks2, check)
 
 
-@pytest.mark.parametrize("check", ["ddp_tp_llama", "fsdp_tp_gpt2"])
+@pytest.mark.parametrize(
+    "check", ["ddp_tp_llama", "fsdp_tp_gpt2", "fsdp_tp_replicated_grads", "ddp_tp_replicated_grads"]
+)
 def test_dp_x_tp(ranks4, check):
     assert_check(ranks4, check)
 

@@ -31,6 +31,7 @@ from .spec import get_shard_spec
 __all__ = [
     "SYNC_OPS",
     "PARAM_GRAD_OPS",
+    "on_named_param_grads",
     "SyncOp",
     "install_param_grad_hooks",
     "on_grad",
@@ -57,6 +58,7 @@ PARAM_GRAD_OPS = "slapo_grad_ops"
 # (onto a replacement parameter) then points at another object, and the hook is installed again.
 _HOOKED = "_slapo_grad_ops_hooked"
 _PRE_HOOKED = "_slapo_grad_ops_pre_hook"  # a module attribute: its forward pre-hook is there
+_MODULE_OPS = "_slapo_param_grad_ops"  # a module attribute: {parameter name: (op, ...)}
 
 
 def register_sync_op(name: str, op: SyncOp, override: bool = False) -> None:
@@ -153,8 +155,10 @@ def on_param_grads(mod: nn.Module, op: Callable[[torch.Tensor], torch.Tensor]) -
     ``op`` is an ``all_reduce`` over the tensor-parallel group. The op runs on each gradient before
     it is accumulated into ``.grad`` (so gradient accumulation stays right), once per backward
     however often the parameter was used. The hook is a parameter hook, which ``torch.compile``
-    keeps; a forward pre-hook installs it again on a parameter object that replaced the hooked one
-    (materialization from the meta device, a target that swaps parameters).
+    keeps. The ops are kept on the module by parameter name, and a forward pre-hook hooks whatever
+    parameter object the module holds when it runs: one that replaced the hooked one
+    (materialization from the meta device), or FSDP2's unsharded parameter, which is what the
+    forward and backward use while the module's own parameter is a sharded DTensor.
 
     Example:
         >>> norm = nn.LayerNorm(4)
@@ -164,34 +168,52 @@ def on_param_grads(mod: nn.Module, op: Callable[[torch.Tensor], torch.Tensor]) -
         >>> norm.bias.grad
         tensor([6., 6., 6., 6.])
     """
-    names = []
-    for name, param in mod.named_parameters(recurse=False):
-        if get_shard_spec(param) is None:
-            setattr(param, PARAM_GRAD_OPS, (*getattr(param, PARAM_GRAD_OPS, ()), op))
-            names.append(name)
+    names = [n for n, p in mod.named_parameters(recurse=False) if get_shard_spec(p) is None]
+    return on_named_param_grads(mod, names, op)
+
+
+def on_named_param_grads(
+    mod: nn.Module, names: list[str], op: Callable[[torch.Tensor], torch.Tensor]
+) -> list[str]:
+    """:func:`on_param_grads` for the parameters ``names`` of ``mod`` (its own, not its
+    children's); returns ``names``.
+
+    Example:
+        >>> norm = nn.LayerNorm(4)
+        >>> on_named_param_grads(norm, ["bias"], lambda g: g * 2)
+        ['bias']
+    """
+    table: dict[str, tuple] = mod.__dict__.setdefault(_MODULE_OPS, {})
+    own = dict(mod.named_parameters(recurse=False))
+    for name in names:
+        table[name] = (*table.get(name, ()), op)
+        setattr(own[name], PARAM_GRAD_OPS, table[name])  # what a reader of the parameter sees
     if names and not getattr(mod, _PRE_HOOKED, False):
         mod.register_forward_pre_hook(_install_before_forward)
         setattr(mod, _PRE_HOOKED, True)
     install_param_grad_hooks(mod)
-    return names
+    return list(names)
 
 
 def install_param_grad_hooks(mod: nn.Module) -> int:
-    """Hook the gradient of every parameter of ``mod`` (not its children) that carries
-    :data:`PARAM_GRAD_OPS` and is not hooked yet; returns how many were hooked now."""
+    """Hook the gradient of every parameter of ``mod`` (not its children) that has ops recorded
+    by :func:`on_named_param_grads` and is not hooked yet; returns how many were hooked now."""
     if torch.compiler.is_exporting():  # the traced graph has no parameter hooks to keep
         return 0
+    table = getattr(mod, _MODULE_OPS, None)
+    if not table:
+        return 0
     count = 0
-    for param in mod.parameters(recurse=False):
-        wanted = getattr(param, PARAM_GRAD_OPS, ()) and param.requires_grad
-        if not wanted or get_shard_spec(param) is not None:  # a slice's gradient is whole
-            continue
+    for name, param in mod.named_parameters(recurse=False):
+        if name not in table or not param.requires_grad or get_shard_spec(param) is not None:
+            continue  # a tensor-parallel slice's gradient is whole
         hooked = getattr(param, _HOOKED, None)
         if hooked is not None and hooked() is param:
             continue
-        own = weakref.ref(param)  # the hook must not keep its parameter alive
-        param.register_hook(lambda grad, own=own: _apply_param_grad_ops(own(), grad))
-        setattr(param, _HOOKED, own)
+        # weak: the hook must keep neither its module nor its parameter alive
+        owner = weakref.ref(mod)
+        param.register_hook(lambda grad, owner=owner, name=name: _apply_ops(owner(), name, grad))
+        setattr(param, _HOOKED, weakref.ref(param))
         count += 1
     return count
 
@@ -200,8 +222,8 @@ def _install_before_forward(mod: nn.Module, args: tuple) -> None:
     install_param_grad_hooks(mod)  # returns None: the inputs stay as they are
 
 
-def _apply_param_grad_ops(param: torch.Tensor | None, grad: torch.Tensor) -> torch.Tensor:
-    for op in getattr(param, PARAM_GRAD_OPS, ()):
+def _apply_ops(mod: nn.Module | None, name: str, grad: torch.Tensor) -> torch.Tensor:
+    for op in (getattr(mod, _MODULE_OPS, {}) or {}).get(name, ()):
         grad = op(grad)
     return grad
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from tqdm.auto import tqdm
 
 from .. import env
@@ -29,6 +30,7 @@ from ..build import build
 from ..data import ByteBatches, MaskedByteBatches, MaskedTokenBatches, TokenBatches, default_corpus
 from ..sharding import all_reduce
 from ..sharding.sequence import SP_TAG
+from ..sharding.sync_ops import on_named_param_grads
 from ..targets import train_step
 from .config import TrainConfig
 from .evaluation import Evaluator, eval_batches, wants_eval
@@ -108,17 +110,20 @@ class ReplicaSlice:
         self.batches.load_state_dict(state)
 
 
-def _sum_sequence_parallel_grads(model: Any, group: Any) -> None:
+def _sum_sequence_parallel_grads(model: nn.Module, group: Any) -> None:
     """Sum each gradient of a parameter that sequence parallelism tagged over ``group``, as
     backward computes it (before it is accumulated, so gradient accumulation stays right).
 
     Sequence-parallel norms and biases see one slice of the sequence per tensor-parallel rank;
     their gradients are partial. ``slapo.sharding.allreduce_sequence_parallel_grads`` sums them
-    after backward; as hooks the sum happens inside the backward, for every target alike.
+    after backward; as hooks the sum happens inside the backward, for every target alike. They
+    are set before the build, by module and parameter name: a target that swaps the parameter
+    objects (FSDP2's sharded and unsharded parameters) keeps them.
     """
-    for p in model.parameters():
-        if getattr(p, SP_TAG, False):
-            p.register_hook(lambda grad: all_reduce(grad, group))
+    for mod in model.modules():
+        names = [n for n, p in mod.named_parameters(recurse=False) if getattr(p, SP_TAG, False)]
+        if names:
+            on_named_param_grads(mod, names, lambda grad: all_reduce(grad, group))
 
 
 class Runner:
@@ -136,6 +141,8 @@ class Runner:
         model = build_model(cfg)
         model.train()
         self.sch = schedule_for(cfg, model, layout, scheduled)
+        if layout.tp_group is not None:
+            _sum_sequence_parallel_grads(self.sch.mod, layout.tp_group)
         self.target = build_target(cfg)
         options = TARGET_USES[self.target].options(cfg, layout)
         self.model, self.optimizer = build(
@@ -146,8 +153,6 @@ class Runner:
             optimizer_kwargs={"lr": cfg.lr},
             **options,
         )
-        if layout.tp_group is not None:
-            _sum_sequence_parallel_grads(self.model, layout.tp_group)
         self.scheduler = make_scheduler(self.optimizer, cfg)
 
     def lr(self) -> float:
