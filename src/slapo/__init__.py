@@ -64,6 +64,7 @@ __all__ = [
     "sharding",
     "vocab_parallel_cross_entropy",
     "MemoryEstimate",
+    "estimate_layout",
     "estimate_memory",
     "PrimitiveError",
     "PrimitiveTypeError",
@@ -95,14 +96,14 @@ __all__ = [
     "train_step",
 ]
 
-# Checkpoint I/O pulls in safetensors and torch.distributed machinery that most schedules never
+# Checkpoints pull in safetensors and torch.distributed machinery that most schedules never
 # use: load it on first use.
 _LAZY = {
-    name: "checkpoint_io"
+    name: "checkpoints"
     for name in ("CheckpointError", "export_safetensors", "load_checkpoint", "save_checkpoint")
 }
 # The memory planner loads fake tensors on first use.
-_LAZY.update({name: "memory_plan" for name in ("MemoryEstimate", "estimate_memory")})
+_LAZY.update({name: "memory" for name in ("MemoryEstimate", "estimate_memory", "estimate_layout")})
 
 
 def __getattr__(name: str):

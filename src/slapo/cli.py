@@ -31,9 +31,14 @@ def _primitives(args: argparse.Namespace) -> int:
 ESTIMATE_HELP = "predict the memory of one training step of slapo train, allocating nothing"
 ESTIMATE_DESCRIPTION = """Predict the peak memory of one training step of the model, schedule,
 optimizer and batch that `slapo train` builds from the same flags, without allocating it: the step
-runs on fake tensors (slapo.estimate_memory). --tp N estimates one rank of N in this process."""
+runs on fake tensors (slapo.estimate_memory). A layout of --dp x --pp x --tp processes is estimated
+for one of them (--rank R, on the ("dp", "pp", "tp") mesh) under the --target engine: FSDP and ZeRO
+shards, a pipeline stage with the microbatches its schedule keeps in flight, tensor-parallel
+shards, RoundPipe's device-resident bytes (slapo.estimate_layout)."""
 #: The ``slapo train`` flags that shape the estimated step: these and every schedule knob.
-ESTIMATE_FLAGS = ("model", "preset", "batch_size", "seq_len", "seed", "unscheduled")
+ESTIMATE_FLAGS = (
+    "model", "preset", "batch_size", "seq_len", "seed", "unscheduled", "target", "num_microbatches",
+)  # fmt: skip
 
 
 def _estimate_fields() -> list[Any]:
@@ -46,7 +51,7 @@ def _estimate_fields() -> list[Any]:
 
 
 def _add_estimate(sub: Any) -> None:
-    from .memory_plan import memory_size_arg  # light: fake tensors load when an estimate runs
+    from .memory import PIPELINE_SCHEDULES, memory_size_arg  # light: fake tensors load later
 
     p = sub.add_parser(
         "estimate", help=ESTIMATE_HELP, description=ESTIMATE_DESCRIPTION,
@@ -66,7 +71,19 @@ def _add_estimate(sub: Any) -> None:
         else:
             p.add_argument(flag, type=meta.get("parse") or kind, choices=meta.get("choices"),
                            default=f.default, help=meta["help"])  # fmt: skip
-    p.add_argument("--rank", type=int, default=0, help="the tensor-parallel rank, with --tp")
+    p.add_argument(
+        "--dp", type=int, default=1,
+        help="data-parallel replicas (--batch-size is each one's); the total is dp x pp x tp",
+    )  # fmt: skip
+    p.add_argument(
+        "--rank", type=int, default=0,
+        help='the estimated process\'s rank on the ("dp", "pp", "tp") mesh: '
+        "(dp_rank x pp + stage) x tp + tp_rank",
+    )  # fmt: skip
+    p.add_argument(
+        "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1F1B",
+        help="with --pp: the microbatches in flight (GPipe: all; 1F1B: pp - stage at most)",
+    )  # fmt: skip
     p.add_argument(
         "--optimizer", choices=("adamw", "adam", "sgd", "none"), default="adamw",
         help="whose state counts (slapo train uses adamw)",
@@ -82,7 +99,7 @@ def _add_estimate(sub: Any) -> None:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from .memory_plan import format_bytes
+    from .memory import format_bytes
     from .train.memory import estimate_config
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in _estimate_fields()})
@@ -93,7 +110,9 @@ def _estimate(args: argparse.Namespace) -> int:
     try:
         for label, unscheduled in runs.items():
             run_cfg = cfg if unscheduled is None else replace(cfg, unscheduled=unscheduled)
-            ests[label] = estimate_config(run_cfg, args.rank, optimizer, kwargs)
+            ests[label] = estimate_config(
+                run_cfg, args.rank, optimizer, kwargs, args.dp, args.pipeline_schedule
+            )
     except SlapoError as exc:
         raise SystemExit(f"slapo estimate: {exc}") from exc
     last = ests[list(ests)[-1]]
@@ -106,7 +125,8 @@ def _estimate(args: argparse.Namespace) -> int:
         return 0 if fits in (None, True) else 1
     from .train.layout import schedule_knobs
 
-    tp = f", rank {args.rank} of {cfg.tp}" if cfg.tp > 1 else ""
+    world = args.dp * cfg.pp * cfg.tp
+    tp = f", {last.target} rank {args.rank} of {world}" if world > 1 else ""
     knobs = schedule_knobs(cfg)
     print(
         f"slapo estimate: {cfg.model} ({cfg.preset}), batch {cfg.batch_size} x {cfg.seq_len} "

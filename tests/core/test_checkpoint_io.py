@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import slapo
-from slapo.checkpoint_io import CheckpointError, load_checkpoint, load_tree, save_checkpoint
+from slapo.checkpoints import CheckpointError, load_checkpoint, load_tree, save_checkpoint
 
 
 class _Payload:
@@ -254,7 +254,7 @@ def test_save_tree_round_trips_nested_state_without_pickle(tmp_path):
         "rng": torch.get_rng_state(),
         "record": {"losses": [1.5, float("inf")], "seconds": 0.25},
     }
-    slapo.checkpoint_io.save_tree(tmp_path / "state", tree, config=model.config)
+    slapo.checkpoints.save_tree(tmp_path / "state", tree, config=model.config)
     files = sorted(p.name for p in (tmp_path / "state").iterdir())
     assert files == [
         "config.json",
@@ -274,4 +274,4 @@ def test_save_tree_round_trips_nested_state_without_pickle(tmp_path):
     with pytest.raises(CheckpointError, match="slapo train --resume"):
         load_checkpoint(model, tmp_path / "state")
     with pytest.raises(CheckpointError, match="object is a Linear"):
-        slapo.checkpoint_io.save_tree(tmp_path / "bad", {"object": torch.nn.Linear(2, 2)})
+        slapo.checkpoints.save_tree(tmp_path / "bad", {"object": torch.nn.Linear(2, 2)})

@@ -128,7 +128,7 @@ def test_create_schedule_rejects_non_modules():
 
 
 def test_checkpoint_functions_load_on_first_use():
-    import slapo.checkpoint_io as io
+    import slapo.checkpoints as io
     from slapo import load_checkpoint
 
     assert slapo.save_checkpoint is io.save_checkpoint and load_checkpoint is io.load_checkpoint

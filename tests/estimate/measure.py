@@ -5,7 +5,7 @@ saved for backward in its forward: counted with ``torch.autograd.graph.saved_ten
 count per storage (parameters excluded). A selective checkpoint keeps the outputs its policy saves
 in a cache of its own, not through those hooks: they are read from torch's caching dispatch modes
 (``torch.utils.checkpoint._CachingTorchDispatchMode``, observed as they are created). Independent
-of ``slapo.memory_plan``: real tensors, real allocation, storages told apart by data pointers.
+of ``slapo.memory``: real tensors, real allocation, storages told apart by data pointers.
 """
 
 from __future__ import annotations

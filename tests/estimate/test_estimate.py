@@ -16,7 +16,7 @@ import torch
 from measure import batch, measure_live_peak, measure_step
 
 import slapo
-from slapo.memory_plan import EstimateError, MemoryEstimate, MemorySizeError, parse_bytes
+from slapo.memory import EstimateError, MemoryEstimate, MemorySizeError, parse_bytes
 from slapo.model_schedule import apply_schedule
 
 FAMILIES = ["llama", "gpt2", "bert", "opt", "t5"]

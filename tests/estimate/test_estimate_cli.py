@@ -60,4 +60,19 @@ def test_a_compare_run_needs_what_its_larger_run_needs():
     plain = estimate_config(TrainConfig(unscheduled=True, **small))
     scheduled = estimate_config(TrainConfig(**small))
     assert both.as_dict() == plain.as_dict() and scheduled.required < plain.required
-    assert estimate_config(TrainConfig(target="ddp", **small)) is None  # not modelled: unknown
+    ddp = estimate_config(TrainConfig(target="ddp", **small), dp=2)  # every target is modelled
+    assert ddp.target == "ddp" and ddp.engine == ddp.grads == scheduled.grads
+
+
+def test_layout_flags_estimate_one_rank(capsys):
+    args = [*SMALL, "--model", "gpt2", "--target", "fsdp", "--dp", "2", "--pp", "2", "--json"]
+    args += ["--num-microbatches", "2", "--pipeline-schedule", "GPipe"]
+    main(["estimate", *args, "--rank", "0"])
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["estimate"]
+    main(["estimate", *args, "--rank", "2"])  # dp rank 1 of the same stage: the same share
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["estimate"]
+    main(["estimate", *args, "--rank", "1"])  # the last stage
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["estimate"]
+    assert (first["target"], first["stage"], last["stage"]) == ("fsdp", 0, 1)
+    assert first["layout"] == {"dp": 2, "pp": 2, "tp": 1} and first["peak"] == again["peak"]
+    assert first["engine_parts"]["fsdp gathered parameters"] > 0 and first["peak"] != last["peak"]

@@ -12,7 +12,7 @@ from torch import nn
 
 import slapo
 from dist_utils import run_checks
-from slapo.checkpoint_io import full_state_dict
+from slapo.checkpoints import full_state_dict
 from slapo.initialization import materialize_module
 from slapo.model_schedule import apply_schedule
 from slapo.sharding import get_shard_spec

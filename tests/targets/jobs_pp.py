@@ -120,7 +120,7 @@ def check_pp_tp(family: str, world: int) -> None:
     assert sharded, "no tensor-parallel parameter on this stage"
 
 
-def check_dp_pp_tp(family: str, world: int, tp: int) -> None:
+def check_dp_pp_tp(family: str, world: int, tp: int, data_parallel: str = "ddp") -> None:
     """dp x 2 stages x tp: each data-parallel rank steps on its slice of the batch; the loss is
     the whole batch's, every gradient (slice) the single process's, clipping uses its norm, and
     a second step without zero_grad accumulates once more."""
@@ -152,8 +152,9 @@ def check_dp_pp_tp(family: str, world: int, tp: int) -> None:
         loss_fn=loss_fn,
         example_inputs=ids[mine],
         group=mesh,
+        data_parallel=data_parallel,
     )
-    assert engine.dp_size == dp
+    assert engine.dp_size == dp and engine.data_parallel == data_parallel
     loss = engine.step(ids[mine], target=labels[mine])
     torch.testing.assert_close(loss, ref_loss, **TOL)
 
@@ -161,17 +162,23 @@ def check_dp_pp_tp(family: str, world: int, tp: int) -> None:
         spec = specs[name]
         return ref_grads[name] if spec is None else spec.local_slice(ref_grads[name])
 
+    def grad(p: torch.Tensor) -> torch.Tensor:  # FSDP2: gathered from the replicas' shards
+        return p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+
+    sharded = 0
     for name, p in engine.named_parameters():
         assert p.grad is not None, f"{name} has no gradient"
-        torch.testing.assert_close(p.grad, want(name), **TOL, msg=lambda m, n=name: n + m)
+        sharded += hasattr(p.grad, "full_tensor")
+        torch.testing.assert_close(grad(p), want(name), **TOL, msg=lambda m, n=name: n + m)
+    assert (sharded > 0) == (data_parallel == "fsdp")
     engine.step(ids[mine], target=labels[mine])  # accumulates: twice the gradient
     for name, p in engine.named_parameters():
-        torch.testing.assert_close(p.grad, 2 * want(name), **TOL, msg=lambda m, n=name: n + m)
+        torch.testing.assert_close(grad(p), 2 * want(name), **TOL, msg=lambda m, n=name: n + m)
     norm = engine.clip_grad_norm_(1e-3)
     torch.testing.assert_close(norm, 2 * ref_norm, rtol=1e-5, atol=0)
     scale = 1e-3 / (2 * ref_norm + 1e-6)
     for name, p in engine.named_parameters():
-        torch.testing.assert_close(p.grad, 2 * scale * want(name), **TOL)
+        torch.testing.assert_close(grad(p), 2 * scale * want(name), **TOL)
 
 
 def check_all_params_covered(world: int) -> None:
@@ -337,6 +344,7 @@ def pp4_checks(rank: int, world: int, pg_timeout: float) -> dict:
         "pp_x_tp_llama": lambda: check_pp_tp("llama", world),
         "dp_x_pp_gpt2": lambda: check_dp_pp_tp("gpt2", world, tp=1),
         "dp_x_pp_llama": lambda: check_dp_pp_tp("llama", world, tp=1),
+        "dp_x_pp_gpt2_fsdp": lambda: check_dp_pp_tp("gpt2", world, tp=1, data_parallel="fsdp"),
         "stage_failure": lambda: check_stage_failure(rank, world, pg_timeout),
     }
 
@@ -346,4 +354,5 @@ def pp8_checks(rank: int, world: int, pg_timeout: float) -> dict:
     return {
         "dp_pp_tp_gpt2": lambda: check_dp_pp_tp("gpt2", world, tp=2),
         "dp_pp_tp_llama": lambda: check_dp_pp_tp("llama", world, tp=2),
+        "dp_pp_tp_gpt2_fsdp": lambda: check_dp_pp_tp("gpt2", world, tp=2, data_parallel="fsdp"),
     }

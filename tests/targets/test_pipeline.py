@@ -47,6 +47,7 @@ def test_pp2(ranks2, check):
         "pp_x_tp_llama",
         "dp_x_pp_gpt2",
         "dp_x_pp_llama",
+        "dp_x_pp_gpt2_fsdp",
         "stage_failure",
     ],
 )
@@ -58,10 +59,11 @@ def test_pp4(ranks4, check):
     assert_check(ranks4, check)
 
 
-@pytest.mark.parametrize("check", ["dp_pp_tp_gpt2", "dp_pp_tp_llama"])
+@pytest.mark.parametrize("check", ["dp_pp_tp_gpt2", "dp_pp_tp_llama", "dp_pp_tp_gpt2_fsdp"])
 def test_dp_pp_tp(ranks8, check):
     """3D: 2 data-parallel replicas x 2 stages x 2 tensor ranks on one ("dp", "pp", "tp") mesh:
-    the whole batch's loss, each rank's gradient slices, clipping by the global norm."""
+    the whole batch's loss, each rank's gradient slices, clipping by the global norm; the
+    replicas as DDP and as FSDP2 (gpt2: its tied embedding and head on two stages)."""
     assert_check(ranks8, check)
 
 

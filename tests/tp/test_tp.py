@@ -16,7 +16,7 @@ import tp_jobs as jobs
 
 import slapo
 from dist_utils import check_all, run_workers
-from slapo.checkpoint_io import CheckpointError, load_checkpoint
+from slapo.checkpoints import CheckpointError, load_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 

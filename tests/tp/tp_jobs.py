@@ -206,7 +206,7 @@ def train_step(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def save_trained(world: int, ckpt_dir: str) -> None:
-    from slapo.checkpoint_io import export_safetensors, save_checkpoint
+    from slapo.checkpoints import export_safetensors, save_checkpoint
 
     _, model, _ = tp_model("gpt2", world)
     opt = train_step(model)
@@ -226,7 +226,7 @@ def tp4_job(rank: int, world: int, ckpt_dir: str) -> dict:
 
 
 def check_load(world: int, ckpt_dir: str) -> None:
-    from slapo.checkpoint_io import load_checkpoint
+    from slapo.checkpoints import load_checkpoint
 
     ref = hf_models.make("gpt2", dropout=0.0)
     ref_opt = train_step(ref)
@@ -276,7 +276,7 @@ def die_job(rank: int, world: int, ckpt_dir: str, how: str) -> str:
     import os
     import time
 
-    from slapo.checkpoint_io import save_checkpoint
+    from slapo.checkpoints import save_checkpoint
     from slapo.sharding import all_reduce
 
     model = nn.Linear(4, 4)

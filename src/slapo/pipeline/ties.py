@@ -44,6 +44,10 @@ def find_tie_groups(model: nn.Module, stages: Sequence[nn.Module]) -> list[TieGr
     return ties
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _param_names(mod: nn.Module) -> set[str]:
     return {n for n, _ in mod.named_parameters(remove_duplicate=False)}
 
@@ -78,12 +82,17 @@ class TiedGradSync:
             params = self._local_params(tie)
             if not params:
                 continue
-            grads = [p.grad for p in params if p.grad is not None]
-            total = torch.stack(grads).sum(0) if grads else torch.zeros_like(params[0])
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            # an FSDP2 replica holds the same shard of every copy (the same shape, the same
+            # data-parallel mesh): the shards are summed as the whole tensors would be
+            grads = [_local(p.grad) for p in params]
+            total = torch.stack(grads).sum(0)
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)
-            for p in params:
-                p.grad = total.clone() if len(params) > 1 else total
+            for g in grads:
+                g.copy_(total)
 
     def _local_params(self, tie: TieGroup) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}

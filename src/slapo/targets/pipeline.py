@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 __all__ = ["PipelineEngine", "build_pipeline"]
 
+#: How the data-parallel replicas of a stage share gradients (``data_parallel=``).
+DATA_PARALLEL = ("ddp", "fsdp")
+
 # Schedules that hold two stages per rank in a "V": rank r runs stages r and 2P - 1 - r.
 _V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
 
@@ -67,6 +70,8 @@ class _Plan:
     device: torch.device
     blocks: list[str]
     dp_group: dist.ProcessGroup | None = None  # the replicas of this rank's stages (None: one)
+    dp_mesh: DeviceMesh | None = None  # the same, as FSDP2 takes it
+    data_parallel: str = "ddp"
     tp_group: dist.ProcessGroup | None = None  # the mesh's "tp" dimension (None: none)
 
     @property
@@ -100,6 +105,7 @@ class PipelineEngine:
         self.is_first = plan.stage_to_rank[0] == plan.pp_rank
         self.is_last = plan.stage_to_rank[-1] == plan.pp_rank
         self._plan = plan
+        self.model = plan.model  # the user's whole model, as scheduled (names, tied weights)
         self._fail = fail
         self._ties: TiedGradSync | None = None
         self._shapes: list[tuple[int, ...]] = []
@@ -111,7 +117,12 @@ class PipelineEngine:
         self.dp_size = dist.get_world_size(plan.dp_group) if plan.dp_group is not None else 1
         self.dp_rank = dist.get_rank(plan.dp_group) if plan.dp_group is not None else 0
         self.tp_group = plan.tp_group
-        self._average = ReplicaGradAverage(plan.dp_group) if self.dp_size > 1 else None
+        self.data_parallel = plan.data_parallel if self.dp_size > 1 else None
+        ddp = self.data_parallel == "ddp"
+        self._average = ReplicaGradAverage(plan.dp_group) if ddp else None
+        # the tensor-parallel spec of each stage parameter by name (None: replicated), read
+        # before FSDP2 swaps in DTensors (checkpoints and clipping need them)
+        self.shard_specs: dict[str, Any] = {}
 
     @property
     def built(self) -> bool:
@@ -143,6 +154,9 @@ class PipelineEngine:
             for s in range(p.num_stages)
             if p.stage_to_rank[s] == p.pp_rank
         }
+        self.shard_specs = _specs_of(local)
+        if self.data_parallel == "fsdp":
+            _shard_stages(local, p.dp_mesh)
         stages = [
             PipelineStage(mod, s, p.num_stages, p.device, group=p.pp_group)
             for s, mod in local.items()
@@ -296,17 +310,14 @@ class PipelineEngine:
         ``torch.nn.utils.clip_grad_norm_`` on one process; returns the norm before clipping.
 
         The norm covers every stage, every tensor-parallel slice and no weight twice: a tied
-        weight counts on the first stage holding it, a replicated one on tensor rank 0; the
-        data-parallel replicas hold equal (averaged) gradients and count once. Call it after
+        weight counts on the first stage holding it, a replicated one on tensor rank 0; DDP's
+        replicas hold equal (averaged) gradients and count once, FSDP2's each its own shard. Call it after
         the step, before ``optimizer.step()``, on every rank.
 
         Example:
             >>> loss = slapo.train_step(engine, batch)
             >>> engine.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
         """
-        # deferred: the shard specs live with the sharding package, which the stages use anyway
-        from ..sharding import get_shard_spec
-
         if norm_type != 2.0:
             raise TargetError(f"pipeline: clip_grad_norm_ computes the 2-norm, not {norm_type}")
         first_holder = {
@@ -319,13 +330,16 @@ class PipelineEngine:
                 if p.grad is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                grads.append(p.grad)
+                grad = _local(p.grad)  # FSDP2: this replica's shard
+                grads.append(grad)
                 if first_holder.get(name, stage) != stage:
                     continue  # a tied copy: its first stage counts it
-                if get_shard_spec(p) is None and tp_rank != 0:
+                if self.shard_specs.get(name) is None and tp_rank != 0:
                     continue  # replicated over the tensor ranks: rank 0 counts it
-                counted.append(p.grad)
-        total = global_grad_norm(counted, [self.group, self.tp_group])
+                counted.append(grad)
+        # FSDP2's replicas hold disjoint shards (summed); DDP's hold equal copies (counted once)
+        dp = self.dp_group if self.data_parallel == "fsdp" else None
+        total = global_grad_norm(counted, [self.group, self.tp_group, dp])
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             g.mul_(scale.to(g.device, g.dtype))
@@ -390,7 +404,7 @@ def build_pipeline(
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout: float = 60.0,
-    data_parallel: str = "ddp",
+    data_parallel: str = "fsdp",
 ) -> tuple[PipelineEngine, torch.optim.Optimizer | None]:
     """Split the model at its cuts and run this rank's stage(s) with a torch pipeline schedule.
 
@@ -418,9 +432,12 @@ def build_pipeline(
             before the build; each stage runs its collectives on its ``tp`` group. With ``"dp"``,
             each data-parallel rank feeds its own slice of the global batch and the step's
             gradients are averaged over the replicas of its stage (``data_parallel=``).
-        data_parallel: how replicas of a stage share gradients: ``"ddp"`` (each replica holds
-            the whole stage; the step's gradients are all-reduced in buckets after the schedule,
-            so tied weights, tensor-parallel hooks and gradient accumulation stay exact).
+        data_parallel: how replicas of a stage share gradients: ``"fsdp"`` (the default:
+            FSDP2 ``fully_shard`` of each stage over ``"dp"``, parameters, gradients and
+            optimizer state sharded, gathered for the step's microbatches and reduce-scattered
+            after the last backward) or ``"ddp"`` (each replica holds the whole stage; the
+            step's gradients are all-reduced in buckets after the schedule). Either way tied weights, the
+            tensor-parallel hooks and gradient accumulation stay exact.
         optimizer: an optimizer class or factory. Built here over this rank's stage parameters;
             when the stages wait for the first step, built here over the model's parameters
             and narrowed to this rank's stage parameters when the stages are built (before the
@@ -460,10 +477,10 @@ def build_pipeline(
     inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
     model = sch.mod
     pp_group, pp_groups = _pp_groups(group)
-    if data_parallel != "ddp":
+    if data_parallel not in DATA_PARALLEL:
         raise TargetError(
-            f'pipeline: data_parallel={data_parallel!r} is not supported; use "ddp" (the '
-            "replicas of each stage average the step's gradients)"
+            f"pipeline: data_parallel={data_parallel!r}; use one of {DATA_PARALLEL} (how the "
+            "replicas of each stage share the step's gradients)"
         )
     pp_size = len(pp_groups[0])
     num_stages = len(cuts) + 1
@@ -488,6 +505,8 @@ def build_pipeline(
         device=torch.device(device) if device is not None else default_device(),
         blocks=default_blocks(sch),
         dp_group=_mesh_group(group, "dp"),
+        dp_mesh=group["dp"] if _mesh_group(group, "dp") is not None else None,
+        data_parallel=data_parallel,
         tp_group=_mesh_group(group, "tp"),
     )
     engine = PipelineEngine(plan, FailTogether(_stages_of_rank(pp_groups, stage_to_rank), timeout))
@@ -560,6 +579,37 @@ def _pp_groups(group: Any) -> tuple[dist.ProcessGroup | None, list[list[int]]]:
     dim = names.index("pp")
     ranks = group.mesh.movedim(dim, -1).reshape(-1, group.mesh.shape[dim]).tolist()
     return group["pp"].get_group(), ranks
+
+
+def _specs_of(local: dict[int, nn.Module]) -> dict[str, Any]:
+    """The tensor-parallel shard spec of each stage parameter by name (None: replicated)."""
+    from ..sharding import get_shard_spec  # deferred: the sharding rules load with a TP plan
+
+    return {
+        name: get_shard_spec(p)
+        for mod in local.values()
+        for name, p in mod.named_parameters(remove_duplicate=False)
+    }
+
+
+def _shard_stages(local: dict[int, nn.Module], mesh: DeviceMesh | None) -> None:
+    """FSDP2 over the data-parallel replicas: each stage module one unit, sharded over ``mesh``.
+
+    The parameters stay gathered from forward to backward (``reshard_after_forward=False``): a
+    pipeline runs several microbatches' forwards before their backwards, and re-gathering for
+    each would multiply the traffic. ``PipelineStage`` defers the reduce-scatter to the last
+    microbatch's backward.
+    """
+    from torch.distributed.fsdp import fully_shard  # deferred: loads torch.distributed.tensor
+
+    assert mesh is not None  # set with data_parallel="fsdp" on a mesh with dp > 1
+    for mod in local.values():
+        fully_shard(mod, mesh=mesh, reshard_after_forward=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard), else ``t``."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _mesh_group(group: Any, name: str) -> dist.ProcessGroup | None:

@@ -173,22 +173,29 @@ def train_estimator(command: Sequence[str]) -> Estimator | None:
     """The estimator of a ``slapo train`` command (None for any other command).
 
     ``estimate(cfg)`` parses the command's flags followed by the configuration's, as the trial
-    will run them, and estimates that run.
+    will run them, and estimates that run: on the configuration's ``dp`` replicas (a layout
+    symbol, not a flag: the processes the tuner launches beyond ``tp * pp``), for the rank that
+    needs the most.
 
     Example:
         >>> estimate = train_estimator(["slapo", "train", "--model", "opt"])
         >>> estimate({"ckpt_ratio": 1.0}).required > 0
         True
+        >>> estimate({"dp": 2, "pp": 2}).layout  # one rank of the 4 the trial runs on
+        {'dp': 2, 'pp': 2, 'tp': 1}
     """
     argv = train_argv(command)
     if argv is None:
         return None
 
     def estimate(cfg: Mapping[str, Value]) -> Any:
+        # dp is no flag: the tuner launches dp * tp * pp processes (slapo.tune.launch)
+        dp = cfg.get("dp")
+        flags = config_to_flags({k: v for k, v in cfg.items() if k != "dp"})
         parser = argparse.ArgumentParser(prog="slapo", exit_on_error=False)
         add_parser(parser.add_subparsers(dest="command"))
         try:
-            args = parser.parse_args(["train", *argv, *config_to_flags(cfg)])
+            args = parser.parse_args(["train", *argv, *flags])
         except (argparse.ArgumentError, SystemExit) as exc:
             raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
         cfg = config_from_args(args)
@@ -196,6 +203,6 @@ def train_estimator(command: Sequence[str]) -> Estimator | None:
             cfg.check()
         except InputError as exc:  # as argparse's own errors above
             raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
-        return estimate_config(cfg)
+        return estimate_config(cfg, dp=None if dp is None else int(dp))
 
     return estimate

@@ -21,6 +21,7 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 
 __all__ = [
     "LR_SCHEDULES",
+    "PIPELINE_SCHEDULES",
     "SCHEDULE_KNOBS",
     "TARGETS",
     "InputError",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
+#: ``--pipeline-schedule``: the torch.distributed.pipelining schedules of one stage per rank.
+PIPELINE_SCHEDULES = ("1F1B", "GPipe")
 SCHEDULE_KNOBS = "schedule knobs (slapo.model_schedule.apply_schedule)"
 
 
@@ -159,10 +162,15 @@ class TrainConfig:
         group=SCHEDULE_KNOBS, positive=True, aliases=("--num-stages",),
     )  # fmt: skip
     target: str = option(
-        "eager", "build target; with --pp 2 or more, the data-parallel engine of the pipeline "
-        "replicas (eager, ddp or pipeline: each replica averages its gradients)", choices=TARGETS,
+        "eager", "build target; with torchrun's processes beyond --tp x --pp, the data-parallel "
+        "engine of the replicas: eager and ddp average whole replicas' gradients, fsdp shards "
+        "them (FSDP2)", choices=TARGETS,
     )  # fmt: skip
-    num_microbatches: int = option(2, "pipeline only", positive=True)
+    num_microbatches: int = option(2, "microbatches per step of a pipeline (--pp)", positive=True)
+    pipeline_schedule: str = option(
+        "1F1B", "the pipeline's schedule: 1F1B keeps fewer microbatches' activations in flight "
+        "than GPipe", choices=PIPELINE_SCHEDULES,
+    )  # fmt: skip
     # the run
     compare: bool = option(False, "train the unscheduled baseline for all --steps")
     baseline_steps: int = option(

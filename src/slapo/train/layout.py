@@ -93,8 +93,9 @@ def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 
 #: ``--target`` values that run with ``--pp`` 2 or more, and how the replicas of a stage then
-#: share gradients (``slapo.build(..., target="pipeline", data_parallel=)``).
-PIPELINE_DATA_PARALLEL = {"eager": "ddp", "pipeline": "ddp", "ddp": "ddp"}
+#: share gradients (``slapo.build(..., target="pipeline", data_parallel=)``): as without
+#: ``--pp``, whole replicas averaging gradients (DDP) unless ``--target fsdp`` shards them.
+PIPELINE_DATA_PARALLEL = {"eager": "ddp", "pipeline": "ddp", "ddp": "ddp", "fsdp": "fsdp"}
 
 
 def _check_pipeline(cfg: TrainConfig) -> None:
@@ -114,7 +115,7 @@ def _pipeline_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
     ids = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=torch.long)
     # The last stage returns logits: the loss shifts the labels as the model's own loss does.
     return {
-        "schedule": "1F1B", "num_microbatches": cfg.num_microbatches,
+        "schedule": cfg.pipeline_schedule, "num_microbatches": cfg.num_microbatches,
         "loss_fn": causal_lm_loss, "example_inputs": (ids,), "group": layout.mesh,
         "data_parallel": PIPELINE_DATA_PARALLEL[cfg.target],
     }  # fmt: skip

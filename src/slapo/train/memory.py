@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb"]
+__all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb", "layout_spec"]
 
-#: Targets whose built model is the schedule's module itself, as ``estimate_memory`` runs it.
+#: Targets whose built model is the schedule's module itself, as ``estimate_memory`` runs it;
+#: the others are estimated per rank by ``slapo.estimate_layout``.
 ESTIMATED_TARGETS = ("eager",)
 
 
@@ -122,79 +123,159 @@ def estimated_peak_mb(estimate: Any) -> float | None:
     return estimate.peak / 2**20
 
 
+def layout_spec(
+    cfg: Any, rank: int = 0, dp: int | None = None, pipeline_schedule: str | None = None
+) -> Any:
+    """The :class:`~slapo.memory.LayoutSpec` of rank ``rank`` of a ``slapo train`` run of ``cfg``
+    on ``dp`` data-parallel replicas (default ``cfg.dp`` where the config has it, else 1): the
+    engine a stage's replicas share gradients with, and the pipeline's schedule (default
+    ``cfg.pipeline_schedule`` where the config has it, else 1F1B, as slapo train runs) and
+    microbatches.
+
+    Example:
+        >>> layout_spec(TrainConfig(pp=2, num_microbatches=4), rank=1).describe()
+        'pipeline dp1 x pp2 x tp1 (1F1B, 4 microbatches)'
+    """
+    from ..memory import LayoutSpec
+    from .layout import DEEPSPEED_ZERO_STAGE, PIPELINE_DATA_PARALLEL
+
+    pp = getattr(cfg, "pp", None) or cfg.num_stages
+    dp = dp if dp is not None else getattr(cfg, "dp", 1) or 1
+    target = cfg.target
+    if pp > 1:  # the pipeline engine; its replicas share gradients as --target says
+        target = PIPELINE_DATA_PARALLEL.get(target, target) if dp > 1 else "pipeline"
+    elif target == "eager" and dp > 1:
+        target = "ddp"  # as slapo train builds replicas of an eager run
+    return LayoutSpec(
+        target=target, dp=dp, pp=pp, tp=cfg.tp, rank=rank,
+        num_microbatches=cfg.num_microbatches if pp > 1 else 1,
+        pipeline_schedule=pipeline_schedule or getattr(cfg, "pipeline_schedule", "1F1B"),
+        zero_stage=DEEPSPEED_ZERO_STAGE,
+    )  # fmt: skip
+
+
+def _next_batch(batches: Any) -> Any:
+    state = batches.state_dict()
+    try:
+        return batches.next()
+    finally:
+        batches.load_state_dict(state)  # the run trains on the very same batches
+
+
 def estimate_run(runner: Any, batches: Any) -> Any:
-    """:func:`slapo.estimate_memory` of one step of ``runner``'s model on the next batch of
-    ``batches`` (not consumed), with its optimizer; None for a target it does not model (only
-    the schedule's own module on one process or a tensor-parallel group is estimated) or if the
-    estimate fails (one line on stderr says why: the run goes on).
+    """The memory estimate of one step of ``runner``'s rank on the next batch of ``batches``
+    (not consumed), with its optimizer: :func:`slapo.estimate_memory` of the schedule's module
+    for an eager run, :func:`slapo.estimate_layout` of this rank's share of the layout for every
+    other target (its model rebuilt on the meta device, scheduled as the run's, over the run's
+    tensor-parallel group). None if the estimate fails (one line on stderr says why: the run goes
+    on).
 
     Example:
         >>> est = estimate_run(Runner(TrainConfig(), Layout(), True), make_batches(cfg, Layout()))
         >>> est.peak > 0
         True
     """
-    if runner.cfg.target not in ESTIMATED_TARGETS or runner.model is not runner.sch.mod:
-        return None
-    from ..memory_plan import estimate_memory  # deferred: fake tensors load on first use
+    from ..memory import estimate_memory  # deferred: fake tensors load on first use
 
-    state = batches.state_dict()
+    batch = _next_batch(batches)
     try:
-        batch = batches.next()
-    finally:
-        batches.load_state_dict(state)  # the run trains on the very same batches
-    try:
-        return estimate_memory(runner.sch, batch, optimizer=runner.optimizer)
+        if runner.cfg.target in ESTIMATED_TARGETS and runner.model is runner.sch.mod:
+            return estimate_memory(runner.sch, batch, optimizer=runner.optimizer)
+        layout = runner.layout
+        spec = layout_spec(runner.cfg, layout.rank, layout.dp_size)
+        return _estimate_spec(runner.cfg, spec, batch, layout, _optimizer_of(runner.optimizer))
     except Exception as exc:  # noqa: BLE001  (the estimate is a by-product; the run goes on)
         print(f"slapo train: no memory estimate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
 
 
+def _optimizer_of(optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """The class and hyperparameters of a run's optimizer (an engine's wrapper unwrapped)."""
+    inner = optimizer
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(inner, torch.optim.Optimizer):
+        return torch.optim.AdamW, {}
+    kwargs = {k: v for k, v in inner.defaults.items() if k in ("lr", "betas", "eps", "momentum")}
+    return type(inner), kwargs
+
+
+def _estimate_spec(
+    cfg: Any, spec: Any, batch: Any, layout: Any, optimizer: tuple[Any, dict[str, Any]]
+) -> Any:
+    """``estimate_layout`` of ``cfg``'s model, on the meta device, scheduled over ``layout``."""
+    from ..initialization import init_empty_weights
+    from ..memory import estimate_layout
+    from .layout import schedule_for  # the very schedule slapo train builds from cfg
+    from .presets import build_model
+
+    with init_empty_weights():
+        model = build_model(cfg, weights=False)  # a model directory's weights stay unread
+    model.train()
+    sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
+    fields = {f.name for f in dataclasses.fields(spec)}
+    return estimate_layout(
+        sch, batch, **{k: getattr(spec, k) for k in fields},
+        optimizer=optimizer[0], optimizer_kwargs=optimizer[1],
+    )  # fmt: skip
+
+
 def estimate_config(
     cfg: Any,
-    rank: int = 0,
+    rank: int | None = None,
     optimizer: Any = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    dp: int | None = None,
+    pipeline_schedule: str | None = None,
 ) -> Any:
-    """:func:`slapo.estimate_memory` of one step of what ``slapo train`` would build from ``cfg``
-    (a :class:`~slapo.train.TrainConfig`): its model (on the meta device: nothing allocated), its
-    schedule, its optimizer (AdamW with ``cfg.lr``, unless ``optimizer`` and ``optimizer_kwargs``
-    name another) and one batch. With ``cfg.tp > 1``, the share of tensor-parallel rank ``rank``,
-    estimated in this process over a fake process group; with ``cfg.compare``, the larger of the
-    scheduled and the unscheduled run. Returns None for a target whose model is not the
-    schedule's module on each rank (ddp, fsdp, pipeline, roundpipe).
+    """The memory estimate of one step of rank ``rank`` of what ``slapo train`` would build from
+    ``cfg`` (a :class:`~slapo.train.TrainConfig`) on ``dp`` data-parallel replicas: its model (on
+    the meta device: nothing allocated), its schedule (``pipeline_schedule``: GPipe or 1F1B with
+    ``cfg.pp > 1``), its optimizer (AdamW with ``cfg.lr``,
+    unless ``optimizer`` and ``optimizer_kwargs`` name another) and one batch. ``rank`` is the
+    global rank on the ``("dp", "pp", "tp")`` mesh (None: the pipeline stage needing the most,
+    what a memory budget must hold on every rank); with ``cfg.tp > 1`` its tensor-parallel share
+    is estimated in this process over a fake process group. Every target is modelled
+    (:func:`slapo.estimate_layout`); with ``cfg.compare``, the larger of the scheduled and the
+    unscheduled run.
 
     Example:
         >>> print(estimate_config(TrainConfig(model="gpt2", preset="small", ckpt_ratio=1.0)))
+        >>> estimate_config(TrainConfig(model="gpt2", target="fsdp"), dp=4).target
+        'fsdp'
     """
     import contextlib
 
     from ..data import ByteBatches, MaskedByteBatches, default_corpus
-    from ..initialization import init_empty_weights
-    from ..memory_plan import estimate_memory, fake_process_group
-    from .layout import Layout, schedule_for  # the very schedule slapo train builds from cfg
-    from .presets import build_model
+    from ..memory import fake_process_group
+    from .layout import Layout
 
     cfg.check()
-    if cfg.target not in ESTIMATED_TARGETS:
-        return None
     if cfg.compare:  # the run trains the unscheduled baseline too: the larger of the two counts
         runs = [dataclasses.replace(cfg, compare=False, unscheduled=u) for u in (True, False)]
-        estimates = [estimate_config(run, rank, optimizer, optimizer_kwargs) for run in runs]
+        estimates = [
+            estimate_config(run, rank, optimizer, optimizer_kwargs, dp, pipeline_schedule)
+            for run in runs
+        ]
         return max(estimates, key=lambda e: e.required)
+    if rank is None:
+        pp, tp = layout_spec(cfg, 0, dp).pp, cfg.tp
+        estimates = [
+            estimate_config(cfg, stage * tp, optimizer, optimizer_kwargs, dp, pipeline_schedule)
+            for stage in range(pp)
+        ]
+        return max(estimates, key=lambda e: e.required)
+    spec = layout_spec(cfg, rank, dp, pipeline_schedule)
     batches = (MaskedByteBatches if cfg.model == "bert" else ByteBatches)(
         default_corpus(max(100_000, 4 * cfg.seq_len)), cfg.batch_size, cfg.seq_len, cfg.seed
     )
+    if optimizer is None:
+        optimizer, optimizer_kwargs = torch.optim.AdamW, {"lr": cfg.lr}
     with contextlib.ExitStack() as ctx:
         layout = Layout()
         if cfg.tp > 1 and not cfg.unscheduled:
-            group = ctx.enter_context(fake_process_group(cfg.tp, rank))
-            layout = Layout(rank=rank, world=cfg.tp, tp_group=group)
-        with init_empty_weights():
-            model = build_model(cfg, weights=False)  # a model directory's weights stay unread
-        model.train()
-        sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
-        if optimizer is None:
-            optimizer, optimizer_kwargs = torch.optim.AdamW, {"lr": cfg.lr}
-        return estimate_memory(
-            sch, batches.next(), optimizer=optimizer, optimizer_kwargs=optimizer_kwargs
-        )
+            tp_rank = spec.coords()[2]
+            group = ctx.enter_context(fake_process_group(cfg.tp, tp_rank))
+            layout = Layout(rank=tp_rank, world=cfg.tp, tp_group=group, tp_size=cfg.tp)
+        spec_args = (optimizer, dict(optimizer_kwargs or {}))
+        return _estimate_spec(cfg, spec, batches.next(), layout, spec_args)

@@ -15,8 +15,13 @@ It is written into ``<DIR>.tmp-train`` and renamed into place once complete (the
 ``--save-every N`` writes ``DIR/step-NNNNNN`` the same way and keeps the last ``--keep``;
 ``--resume DIR`` takes ``DIR`` itself, else its latest complete ``step-NNNNNN``.
 
+The weights and optimizer state are :func:`slapo.save_checkpoint`'s, whatever the layout: under
+``--tp`` gathered whole, under ``--target pipeline`` each rank writes its stages' tensors (a
+weight tied across stages once), under ``--target deepspeed`` ZeRO's partitioned optimizer
+state is gathered by parameter (not DeepSpeed's own checkpoints: they are pickles).
+
 Targets whose state is one part per rank (FSDP's DTensors, RoundPipe's optimizer copies: the
-``per-rank`` layout) save each rank's whole state with :func:`slapo.checkpoint_io.save_tree`
+``per-rank`` layout) save each rank's whole state with :func:`slapo.checkpoints.save_tree`
 into ``DIR.rank<r>`` (``DIR`` itself for one process).
 
 Example:
@@ -28,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -38,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoints.atomic import replace_dir, sibling
+from ..checkpoints.format import MARKER, TREE_FORMAT, CheckpointError, write_json
 from .config import InputError, TrainConfig
 
 __all__ = [
@@ -150,8 +156,6 @@ def _is_full(path: Path) -> bool:
 
 
 def _is_tree(path: Path) -> bool:
-    from ..checkpoint_io import MARKER, TREE_FORMAT
-
     try:
         return json.loads((path / MARKER).read_text()).get("format") == TREE_FORMAT
     except (OSError, ValueError, AttributeError):
@@ -189,8 +193,6 @@ def find_checkpoint(path: str, rank: int = 0, world: int = 1) -> tuple[Path, str
     if not p.exists() and not checkpoint_path(p, rank, world).exists():
         raise InputError(f"--resume {path}: no such checkpoint; give a directory --save wrote")
     if p.is_file():  # an old torch.save pickle, say: never loaded (unpickling runs code)
-        from ..checkpoint_io import CheckpointError
-
         raise CheckpointError(
             f"--resume {path} is a file (a torch.save pickle?), not a `slapo train --save` "
             "directory; slapo never unpickles: give a directory --save wrote"
@@ -259,10 +261,12 @@ def check_resume(cfg: TrainConfig, rank: int, world: int, identity: dict[str, An
         return path
     state = read_state(path)
     check_model(path, state.get("model"), identity, cfg)
-    if (state.get("world"), state.get("tp")) != (world, cfg.tp):
+    saved = (state.get("world"), state.get("tp"), state.get("pp", _stages(cfg)))
+    if saved != (world, cfg.tp, _stages(cfg)):
         raise InputError(
-            f"--resume {path} was saved by {state.get('world')} process(es) with --tp "
-            f"{state.get('tp')}; resume it with as many (this run: {world}, --tp {cfg.tp})"
+            f"--resume {path} was saved by {saved[0]} process(es) with --tp {saved[1]} --pp "
+            f"{saved[2]}; resume it with as many (this run: {world}, --tp {cfg.tp} --pp "
+            f"{_stages(cfg)}): each rank's data position and RNG streams are its own"
         )
     step = state.get("step")
     if not isinstance(step, int) or step >= cfg.steps:
@@ -270,6 +274,11 @@ def check_resume(cfg: TrainConfig, rank: int, world: int, identity: dict[str, An
             f"--resume {path} has trained {step} steps already; pass a --steps beyond it"
         )
     return path
+
+
+def _stages(cfg: TrainConfig) -> int:
+    """The run's pipeline stages (``--pp``, spelled ``--num-stages`` before it)."""
+    return int(getattr(cfg, "pp", getattr(cfg, "num_stages", 1)))
 
 
 def check_save(cfg: TrainConfig) -> None:
@@ -329,6 +338,7 @@ def _state_json(run: RunState) -> dict[str, Any]:
         "step": len(run.record["losses"]),
         "world": run.world,
         "tp": run.cfg.tp,
+        "pp": _stages(run.cfg),
         "model": run.identity,
         "scheduler": scheduler,
         "record": run.record,
@@ -337,46 +347,35 @@ def _state_json(run: RunState) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _write_json(file: Path, data: Any) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+def _carry_steps(old: Path, new: Path) -> None:
+    """Move the ``step-NNNNNN`` checkpoints of the replaced ``old`` into ``new`` (a rename each):
+    the final save of a run with ``--save-every`` keeps them."""
+    for _, child in _steps(old):
+        child.rename(new / child.name)
 
 
-def _sibling(path: Path, suffix: str) -> Path:
-    return path.with_name(path.name + suffix)
-
-
-def _swap_in(tmp: Path, path: Path, carry_steps: bool) -> None:
-    """Rename the complete ``tmp`` to ``path``, the old ``path`` aside first and then removed.
-
-    With ``carry_steps`` (the final save of a run with ``--save-every``) the ``step-NNNNNN``
-    checkpoints inside the old ``path`` move into the new one (a rename each).
-    """
-    old = _sibling(path, _OLD)
-    if path.exists():
-        if carry_steps:
-            for _, child in _steps(path):
-                os.rename(child, tmp / child.name)
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _saved_model(run: RunState) -> Any:
+    """What ``save_checkpoint`` reads: an engine that holds its own layout (a pipeline's
+    stages, DeepSpeed's ZeRO partitions), else the schedule's module (its tensor-parallel
+    shards carry their specs)."""
+    engine = run.model
+    if hasattr(engine, "stage_modules") or hasattr(engine, "zero_optimization_stage"):
+        return engine
+    return run.module
 
 
 def _save_full(path: Path, run: RunState, carry_steps: bool) -> None:
     """A full checkpoint: every rank joins the gather; each writes its RNG and data state."""
     import safetensors.torch
 
-    from ..checkpoint_io import save_checkpoint  # deferred: safetensors loads only to save
+    from ..checkpoints import save_checkpoint  # deferred: safetensors loads only to save
 
-    tmp = _sibling(path, _TMP)
+    tmp = sibling(path, _TMP)
     if run.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
-    save_checkpoint(run.module, tmp, run.optimizer)  # collective: the full weights, gathered
+    save_checkpoint(_saved_model(run), tmp, run.optimizer)  # collective: the full weights
     rank_file = tmp / f"train_state-rank{run.rank}.safetensors"
     tensors = {k: v.contiguous() for k, v in _rank_tensors(run).items()}
     safetensors.torch.save_file(tensors, str(rank_file), metadata={"format": "pt"})
@@ -385,14 +384,14 @@ def _save_full(path: Path, run: RunState, carry_steps: bool) -> None:
         save_tokenizer = getattr(getattr(run.tokenizer, "tokenizer", None), "save_pretrained", None)
         if save_tokenizer is not None:  # a transformers tokenizer: from_pretrained(DIR) finds it
             save_tokenizer(str(tmp))
-        _write_json(tmp / STATE_FILE, _state_json(run))  # the marker, last
-        _swap_in(tmp, path, carry_steps)
+        write_json(tmp / STATE_FILE, _state_json(run))  # the marker, last
+        replace_dir(tmp, path, old=_OLD, carry=_carry_steps if carry_steps else None)
     _barrier()
 
 
 def _save_per_rank(path: Path, run: RunState) -> None:
     """Each rank's whole state (a DTensor as its own part) in ``path.rank<r>``."""
-    from ..checkpoint_io import save_tree  # deferred: safetensors loads only to save
+    from ..checkpoints import save_tree  # deferred: safetensors loads only to save
 
     state = {
         "model": run.model.state_dict(),
@@ -440,10 +439,10 @@ def prune_steps(save: str | Path, keep: int) -> list[Path]:
 def _load_full(path: Path, run: RunState) -> dict[str, Any]:
     import safetensors.torch
 
-    from ..checkpoint_io import load_checkpoint
+    from ..checkpoints import load_checkpoint
 
     state = read_state(path)
-    load_checkpoint(run.module, path, run.optimizer)  # each rank keeps its slice of the full
+    load_checkpoint(_saved_model(run), path, run.optimizer)  # each rank keeps its slice of the full
     rank_file = path / f"train_state-rank{run.rank}.safetensors"
     if not rank_file.is_file():
         raise InputError(f"--resume {path} lacks {rank_file.name}: the checkpoint is damaged")
@@ -461,7 +460,7 @@ def _load_per_rank(path: Path, run: RunState) -> dict[str, Any]:
     """Restore what :func:`_save_per_rank` wrote (DTensor parts rebuilt like the live ones)."""
     from itertools import chain
 
-    from ..checkpoint_io import CheckpointError, dtensor_like, load_tree
+    from ..checkpoints import dtensor_like, load_tree
 
     where = checkpoint_path(path, run.rank, run.world)
     try:

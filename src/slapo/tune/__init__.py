@@ -10,6 +10,7 @@ Example:
 """
 
 from .database import Database, DatabaseCorruptError
+from .launch import launch_argv, layout_processes
 from .space import Space, Symbol, config_key
 from .strategies import STRATEGIES, Exhaustive, ModelGuided, RandomSearch, Strategy, make_strategy
 from .trial import TrialResult, config_to_flags, run_trial
@@ -31,6 +32,8 @@ __all__ = [
     "Tuner",
     "config_key",
     "config_to_flags",
+    "launch_argv",
+    "layout_processes",
     "make_strategy",
     "run_trial",
 ]

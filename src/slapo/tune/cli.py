@@ -10,6 +10,11 @@ training command (``--model gpt2`` -> ``args["model"] == args.model == "gpt2"``)
 trial runs: the config file's ``estimate_memory(args, cfg)`` estimates them, or, for a
 ``slapo train`` command, slapo itself (see :mod:`slapo.tune.memory`; ``slapo tune`` registers
 it, the standalone ``python -m slapo.tune.cli`` does not).
+
+Layouts are symbols too: a configuration with ``tp``, ``pp`` or ``dp`` runs its trial under
+torchrun on ``dp * tp * pp`` processes (:mod:`slapo.tune.launch`; ``--max-procs`` skips those
+needing more), e.g. ``slapo tune --config examples/tune_layouts.py --db layouts.json
+--memory-budget 64MiB -- slapo train --model llama --steps 20 --no-progress --json``.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..memory_plan import memory_size_arg
+from ..memory import memory_size_arg
 from .database import Database, DatabaseCorruptError
+from .launch import layout_processes
 from .memory import Estimator, command_estimator, required_bytes
 from .report import best_table, plot_search
 from .space import Space, UpdateSpaceFn
@@ -169,6 +175,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(bytes, or e.g. 8GiB, 512MB); --dry-run shows each estimate",
     )
     p.add_argument(
+        "--max-procs",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="skip, before any trial, the layouts (tp, pp, dp symbols) that need more than N "
+        "processes (dp * tp * pp)",
+    )
+    p.add_argument(
         "trial_command",
         metavar="COMMAND",
         nargs=argparse.REMAINDER,
@@ -213,7 +227,7 @@ def run_tune(args: argparse.Namespace) -> int:
         if args.memory_budget is not None:
             estimate = find_estimator(config, command, training_args)
         if args.dry_run:
-            return _dry_run(space, estimate, args.memory_budget)
+            return _dry_run(space, estimate, args.memory_budget, command, args.max_procs)
         db = Database(args.db)
         tuner = Tuner(
             space,
@@ -228,6 +242,7 @@ def run_tune(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             memory_budget=args.memory_budget,
             estimate=estimate,
+            max_procs=args.max_procs,
         )
     except (TuneError, DatabaseCorruptError, TypeError, ValueError) as e:
         print(f"slapo tune: error: {e}", file=sys.stderr)
@@ -255,7 +270,7 @@ def run_tune(args: argparse.Namespace) -> int:
     if skipped:
         print(
             f"{len(skipped)} configurations skipped, never run: their estimated memory exceeds "
-            f"--memory-budget (reasons in {args.db})"
+            f"--memory-budget or their layout --max-procs (reasons in {args.db})"
         )
     plot = args.plot or default_plot_path(args.db)
     if plot_search(
@@ -270,14 +285,30 @@ def run_tune(args: argparse.Namespace) -> int:
     return 0 if tuner.best(1) else 1
 
 
-def _dry_run(space: Space, estimate: Estimator | None, budget: int | None) -> int:
-    """List the space; with a memory budget, each configuration's estimate and verdict."""
+def _dry_run(
+    space: Space,
+    estimate: Estimator | None,
+    budget: int | None,
+    command: Sequence[str] = (),
+    max_procs: int | None = None,
+) -> int:
+    """List the space: each layout's processes; with a memory budget, each configuration's
+    estimate and verdict (a layout over ``max_procs`` is skipped before it is estimated)."""
     cfgs = list(space)
-    over = 0
+    over = too_wide = 0
     for i, cfg in enumerate(cfgs):
-        line = f"[{i}] {Space.cfg_dict_to_str(cfg)}"
-        if estimate is not None and budget is not None:
-            from ..memory_plan import format_bytes
+        notes = []
+        try:
+            procs = layout_processes(cfg, command)
+        except ValueError as exc:
+            raise TuneError(str(exc)) from exc
+        if procs is not None:
+            notes.append(f"{procs} process" + ("es" if procs > 1 else ""))
+        if procs is not None and max_procs is not None and procs > max_procs:
+            too_wide += 1
+            notes[-1] += f": over --max-procs {max_procs}, skipped"
+        elif estimate is not None and budget is not None:
+            from ..memory import format_bytes
 
             try:
                 need = required_bytes(estimate(cfg))
@@ -288,9 +319,12 @@ def _dry_run(space: Space, estimate: Estimator | None, budget: int | None) -> in
             if need is not None and need > budget:
                 over += 1
                 note += ": over budget, skipped"
-            line += f"  [{note}]"
-        print(line)
-    print(f"{len(cfgs)} configurations" + (f", {over} over the memory budget" if budget else ""))
+            notes.append(note)
+        print(f"[{i}] {Space.cfg_dict_to_str(cfg)}" + (f"  [{'; '.join(notes)}]" if notes else ""))
+    summary = f"{len(cfgs)} configurations" + (f", {over} over the memory budget" if budget else "")
+    if max_procs is not None:
+        summary += f", {too_wide} over --max-procs {max_procs}"
+    print(summary)
     return 0
 
 

@@ -3,12 +3,12 @@
 Every configuration still to measure is estimated first (:func:`slapo.estimate_memory`: a fake
 training step, nothing allocated). One whose estimate needs more than the budget is recorded in the
 database with status ``"skipped"`` and the reason, and never runs; a later run with a larger budget
-estimates it again. The figure compared is :attr:`~slapo.memory_plan.MemoryEstimate.required`.
+estimates it again. The figure compared is :attr:`~slapo.memory.MemoryEstimate.required`.
 
 Where the estimate comes from:
 
 * the ``--config`` file's ``estimate_memory(args, cfg)``, when it defines one: it returns bytes, a
-  :class:`~slapo.memory_plan.MemoryEstimate`, or None (unknown: the configuration runs);
+  :class:`~slapo.memory.MemoryEstimate`, or None (unknown: the configuration runs);
 * otherwise, for a ``slapo train`` command, what ``slapo train`` would build with the command's
   flags and the configuration's (:func:`slapo.train.memory.train_estimator`, registered with
   :func:`register_command_estimator`; ``--tp N`` is one rank of N).

@@ -16,7 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .launch import config_to_flags, launch_argv, layout_processes
 from .space import Value
+
+__all__ = ["STATUSES", "TrialResult", "config_to_flags", "last_json_line", "run_trial"]
 
 # Messages that PyTorch, CUDA, the Python runtime and the Linux OOM killer leave behind.
 _OOM_PATTERN = re.compile(
@@ -50,19 +53,6 @@ class TrialResult:
         return rec
 
 
-def config_to_flags(cfg: Mapping[str, Value]) -> list[str]:
-    """Turn a configuration into ``--name value`` flags (underscores become dashes).
-
-    Example:
-        >>> config_to_flags({"batch_size": 8, "ckpt_ratio": 0.5})
-        ['--batch-size', '8', '--ckpt-ratio', '0.5']
-    """
-    flags: list[str] = []
-    for name, val in cfg.items():
-        flags += [f"--{name.replace('_', '-')}", str(val)]
-    return flags
-
-
 def last_json_line(output: str) -> dict[str, Any] | None:
     """Return the last line of ``output`` that parses as a JSON object, or None.
 
@@ -83,6 +73,29 @@ def last_json_line(output: str) -> dict[str, Any] | None:
     return None
 
 
+# torchrun's own log lines ("E1125 20:41:39.877000 4354 [path/]torch/distributed/...") and the
+# report after them: a launched trial's reason is what its workers wrote before.
+_LAUNCHER_LOG = re.compile(
+    r"^[IWE]\d{4} \d\d:\d\d:\d\d\S* +\d+ \S*torch/distributed/", re.MULTILINE
+)
+_REASON_CHARS = 500
+
+
+def failure_reason(stderr: str) -> str:
+    """The reason a trial failed: the last line it wrote to stderr, before torchrun's report.
+
+    Example:
+        >>> failure_reason("Traceback ...\\nValueError: --pp 8 exceeds the 4 blocks\\n")
+        'ValueError: --pp 8 exceeds the 4 blocks'
+        >>> failure_reason("slapo train: bad\\nW1125 20:41:39.812000 43 torch/distributed/x] ...")
+        'slapo train: bad'
+    """
+    launcher = _LAUNCHER_LOG.search(stderr)
+    own = stderr[: launcher.start()] if launcher else stderr
+    lines = [line.strip() for line in own.splitlines() if line.strip()]
+    return lines[-1][:_REASON_CHARS] if lines else ""
+
+
 # ----- a trial never outlives its tuner ---------------------------------------------------
 # Two independent layers, because each alone has a hole:
 # 1. PR_SET_PDEATHSIG (Linux): the kernel SIGKILLs the trial the moment the tuner dies, however it
@@ -92,14 +105,23 @@ def last_json_line(output: str) -> dict[str, Any] | None:
 #    no byte, the tuner died, and the guard SIGKILLs the trial's whole process group (the trial
 #    runs in a new session, so its own children share its group). This works on any POSIX system
 #    and covers the trial's children; layer 1 still holds if the guard is killed too.
+# A launched trial (torchrun, for a layout) is the exception: torchrun starts each worker in a
+# session of its own, out of reach of a group kill, and stops them only when it is asked to stop
+# (SIGTERM). So such a trial gets SIGTERM first, from all three (layer 1, the guard, the tuner's
+# own stop), and SIGKILL after a bounded grace.
 _PR_SET_PDEATHSIG = 1
 _REAP_TIMEOUT_S = 10.0  # bounded waits while stopping a trial: never hang the tuner
+_LAUNCHER_GRACE_S = 10.0  # torchrun's time to stop its workers before it is killed
 _GUARD_CODE = """
-import os, signal, sys
+import os, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)
+pgid, grace = int(sys.argv[1]), float(sys.argv[2])
 if not os.read(0, 1):
     try:
-        os.killpg(int(sys.argv[1]), signal.SIGKILL)
+        if grace > 0:
+            os.killpg(pgid, signal.SIGTERM)
+            time.sleep(grace)
+        os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
 """
@@ -118,19 +140,20 @@ def _load_prctl() -> object | None:
 _PRCTL = _load_prctl()
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """``preexec_fn`` of a trial: the kernel kills it when the tuner (its parent) dies."""
-    _PRCTL(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # type: ignore[operator]
+def _die_with_parent(parent_pid: int, signum: int = signal.SIGKILL) -> None:
+    """``preexec_fn`` of a trial: the kernel sends it ``signum`` when the tuner (its parent) dies."""
+    _PRCTL(_PR_SET_PDEATHSIG, signum, 0, 0, 0)  # type: ignore[operator]
     if os.getppid() != parent_pid:  # the tuner died before prctl took effect
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _start_guard(pgid: int) -> tuple[subprocess.Popen[bytes], int] | None:
-    """Start the guard of process group ``pgid``; returns it and the write end of its pipe."""
+def _start_guard(pgid: int, grace: float = 0.0) -> tuple[subprocess.Popen[bytes], int] | None:
+    """Start the guard of process group ``pgid`` (SIGTERM ``grace`` seconds before SIGKILL when
+    positive); returns it and the write end of its pipe."""
     read_fd, write_fd = os.pipe()  # not inheritable: the trial never holds the write end
     try:
         guard = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(pgid)],
+            [sys.executable, "-I", "-S", "-c", _GUARD_CODE, str(pgid), str(grace)],
             stdin=read_fd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -162,16 +185,23 @@ def _release_guard(handle: tuple[subprocess.Popen[bytes], int] | None) -> None:
         guard.wait()
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
+def _kill_group(proc: subprocess.Popen[str], signum: int = signal.SIGKILL) -> None:
     """Kill the trial and everything it spawned (it runs in its own session)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signum)
     except ProcessLookupError:
         pass
 
 
-def _stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
-    """Kill the trial's process group and reap it; returns the output read (bounded waits)."""
+def _stop(proc: subprocess.Popen[str], grace: float = 0.0) -> tuple[str, str]:
+    """Kill the trial's process group and reap it; returns the output read (bounded waits).
+    With ``grace``, SIGTERM first, and SIGKILL only if it is still running ``grace`` s later."""
+    if grace > 0:
+        _kill_group(proc, signal.SIGTERM)
+        try:
+            return proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
     _kill_group(proc)
     try:
         return proc.communicate(timeout=_REAP_TIMEOUT_S)
@@ -196,9 +226,12 @@ def run_trial(
 ) -> TrialResult:
     """Run ``command`` with the flags of ``cfg`` and classify the outcome.
 
-    The result is the last JSON object line the command prints to stdout; it must hold a
-    finite number under ``objective``. Non-zero exit, an out-of-memory message, a timeout
-    or a missing result are failures with a status and a tail of the output.
+    A configuration with layout symbols (``tp``, ``pp``, ``dp``) runs under torchrun on
+    ``dp * tp * pp`` processes (:func:`slapo.tune.launch.launch_argv`). The result is the last
+    JSON object line the command prints to stdout; it must hold a finite number under
+    ``objective``. Non-zero exit, an out-of-memory message, a timeout or a missing result are
+    failures with a status, the reason (the last line the trial wrote to stderr) and a tail of
+    the output.
 
     Example:
         >>> import sys
@@ -210,7 +243,11 @@ def run_trial(
         raise ValueError("command must not be empty")
     if timeout <= 0:
         raise ValueError(f"timeout must be positive, got timeout={timeout!r}")
-    argv = [*command, *config_to_flags(cfg)]
+    argv = launch_argv(command, cfg)
+    procs = layout_processes(cfg, command)
+    grace = 0.0 if procs is None else _LAUNCHER_GRACE_S
+    stop_signal = signal.SIGKILL if procs is None else signal.SIGTERM
+    extra: dict[str, Any] = {} if procs is None else {"processes": procs}
     start = time.monotonic()
     proc: subprocess.Popen[str] | None = None
     guard = None
@@ -223,25 +260,28 @@ def run_trial(
             text=True,
             errors="replace",
             start_new_session=True,  # its own process group: killed as one, with its children
-            preexec_fn=functools.partial(_die_with_parent, os.getpid()) if _PRCTL else None,
+            preexec_fn=(
+                functools.partial(_die_with_parent, os.getpid(), stop_signal) if _PRCTL else None
+            ),
             env=dict(env) if env is not None else None,
             cwd=cwd,
         )
-        guard = _start_guard(proc.pid)
+        guard = _start_guard(proc.pid, grace)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            out, err = _stop(proc)
+            out, err = _stop(proc, grace)
             return TrialResult(
                 status="timeout",
                 returncode=proc.returncode,
                 elapsed_s=time.monotonic() - start,
                 error=f"timed out after {timeout:g} s",
                 output_tail=(out + err)[-_TAIL_CHARS:],
+                extra=extra,
             )
     except BaseException:  # Ctrl-C, SIGTERM: stop the trial too, record nothing, let caller decide
         if proc is not None:
-            _stop(proc)
+            _stop(proc, grace)
         raise
     finally:
         _release_guard(guard)
@@ -253,17 +293,22 @@ def run_trial(
     val = result.get(objective) if result is not None else None
     if isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val):
         return TrialResult(
-            "ok", result=result, objective=float(val), returncode=rc, elapsed_s=elapsed
-        )
+            "ok", result=result, objective=float(val), returncode=rc, elapsed_s=elapsed,
+            extra=extra,
+        )  # fmt: skip
     # SIGKILL without a message is what the Linux OOM killer leaves behind.
     if _OOM_PATTERN.search(out) or _OOM_PATTERN.search(err) or rc == -signal.SIGKILL:
         status, error = "oom", "out of memory"
     elif rc != 0:
         status, error = "failed", f"exited with code {rc}"
+        reason = failure_reason(err)
+        if reason:
+            error += f": {reason}"
     elif result is None:
         status, error = "failed", "printed no JSON result line"
     else:
         status, error = "failed", f"result has no finite number under {objective!r}"
     return TrialResult(
-        status, result=result, returncode=rc, elapsed_s=elapsed, error=error, output_tail=tail
-    )
+        status, result=result, returncode=rc, elapsed_s=elapsed, error=error, output_tail=tail,
+        extra=extra,
+    )  # fmt: skip

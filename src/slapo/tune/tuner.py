@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from ..exceptions import SlapoError
 from .database import Database
+from .launch import check_launchable, layout_processes
 from .memory import SKIPPED, Estimator, required_bytes
 from .space import Space, Value, config_key
 from .strategies import STRATEGIES, make_strategy
@@ -83,6 +84,10 @@ class Tuner:
     screens every configuration still to measure before the first trial: those that need more
     are recorded as ``"skipped"`` with the reason and never run (see :mod:`slapo.tune.memory`).
 
+    A configuration with layout symbols (``tp``, ``pp``, ``dp``) runs on ``dp * tp * pp``
+    processes under torchrun (:mod:`slapo.tune.launch`); with ``max_procs``, those needing more
+    are skipped the same way, before any trial (and before any estimate).
+
     Example:
         >>> import sys
         >>> space = Space()
@@ -112,6 +117,7 @@ class Tuner:
         cwd: str | None = None,
         memory_budget: int | None = None,
         estimate: Estimator | None = None,
+        max_procs: int | None = None,
     ) -> None:
         if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
             raise TypeError(f"command must be a non-empty list of strings, got command={command!r}")
@@ -140,9 +146,19 @@ class Tuner:
                 "slapo.train.cli.train_estimator(command); otherwise define "
                 "estimate_memory(args, cfg) in the --config file"
             )
+        if max_procs is not None and (
+            isinstance(max_procs, bool) or not isinstance(max_procs, int) or max_procs < 1
+        ):
+            raise ValueError(f"max_procs must be a positive int or None, got {max_procs!r}")
         self.configs = list(space)
         if not self.configs:
             raise TuneError("the tuning space has no valid configuration")
+        try:  # a bad layout value or a command that launches itself: an error before any trial
+            self.procs = [layout_processes(c, command) for c in self.configs]
+            if any(n is not None for n in self.procs):
+                check_launchable(command)
+        except ValueError as exc:
+            raise TuneError(str(exc)) from exc
         self.keys = [config_key(c) for c in self.configs]
         self.command = list(command)
         self.db = db
@@ -157,6 +173,7 @@ class Tuner:
         self.cwd = cwd
         self.memory_budget = memory_budget
         self.estimate = estimate
+        self.max_procs = max_procs
 
     # ----- reading results ----------------------------------------------------------------
     def value(self, record: Mapping[str, Any]) -> float | None:
@@ -175,7 +192,8 @@ class Tuner:
         return sorted(recs, key=lambda r: r.get("trial", 0))
 
     def skipped(self) -> list[dict[str, Any]]:
-        """Records of this space's configurations the memory budget dropped, never run."""
+        """Records of this space's configurations the memory budget or ``max_procs`` dropped,
+        never run."""
         return [self.db[k] for k in self.keys if k in self.db and _is_skipped(self.db[k])]
 
     def best(self, k: int = 5) -> list[dict[str, Any]]:
@@ -217,16 +235,40 @@ class Tuner:
         else:
             logger.info(line)
 
-    def _screen(self) -> set[int]:
-        """Estimate every configuration still to measure (a skipped one again: the budget may
-        have grown); record those over the memory budget. Returns their indices."""
-        budget = self.memory_budget
-        assert budget is not None and self.estimate is not None
-        from ..memory_plan import format_bytes  # deferred: fake tensors load on first use
+    def _skip(self, i: int, reason: str, details: Mapping[str, Any]) -> None:
+        """Record configuration ``i`` as skipped (never run) for ``reason``."""
+        cfg = self.configs[i]
+        record = {"config": cfg, "status": SKIPPED, "error": reason, "trial": 0, **details}
+        self.db.commit(self.keys[i], {**record, "command": self.command, "time": time.time()})
+        self._note(f"[skipped] {Space.cfg_dict_to_str(cfg)}: {reason}")
 
+    def _screen(self) -> set[int]:
+        """Check every configuration still to measure (a skipped one again: the limits may have
+        grown): record those whose layout needs more than ``max_procs`` processes, then those
+        estimated over the memory budget. Returns their indices."""
         pending = [
             i for i, k in enumerate(self.keys) if k not in self.db or _is_skipped(self.db[k])
         ]
+        over: set[int] = set()
+        if self.max_procs is not None:
+            for i in pending:
+                procs = self.procs[i]
+                if procs is not None and procs > self.max_procs:
+                    reason = (
+                        f"needs {procs} processes (dp * tp * pp), over --max-procs {self.max_procs}"
+                    )
+                    self._skip(i, reason, {"processes": procs, "max_procs": self.max_procs})
+                    over.add(i)
+        if self.memory_budget is not None:
+            over |= self._screen_memory([i for i in pending if i not in over])
+        return over
+
+    def _screen_memory(self, pending: list[int]) -> set[int]:
+        """Estimate the configurations ``pending``; record those over the memory budget."""
+        budget = self.memory_budget
+        assert budget is not None and self.estimate is not None
+        from ..memory import format_bytes  # deferred: fake tensors load on first use
+
         if pending:
             self._note(
                 f"[memory] estimating {len(pending)} configurations against the budget of "
@@ -252,24 +294,12 @@ class Tuner:
                 f"{format_bytes(budget)}"
             )
             details = estimate.as_dict() if hasattr(estimate, "as_dict") else {"required": need}
-            self.db.commit(
-                self.keys[i],
-                {
-                    "config": cfg,
-                    "status": SKIPPED,
-                    "error": reason,
-                    "trial": 0,
-                    "estimate": details,
-                    "memory_budget": budget,
-                    "command": self.command,
-                    "time": time.time(),
-                },
-            )
-            self._note(f"[skipped] {Space.cfg_dict_to_str(cfg)}: {reason}")
+            self._skip(i, reason, {"estimate": details, "memory_budget": budget})
         return over
 
     def _run(self) -> list[dict[str, Any]]:
-        over = self._screen() if self.memory_budget is not None else set()
+        screened = self.memory_budget is not None or self.max_procs is not None
+        over = self._screen() if screened else set()
         scores = self._scores()
         measured = len(scores)
         scores.update({i: None for i in over})  # never proposed; a model-guided search learns

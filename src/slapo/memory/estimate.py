@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -59,99 +58,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .exceptions import SlapoError
+from ..exceptions import SlapoError
+from .units import format_bytes, parse_bytes
 
-__all__ = [
-    "EstimateError",
-    "MemoryEstimate",
-    "MemorySizeError",
-    "estimate_memory",
-    "fake_process_group",
-    "format_bytes",
-    "memory_size_arg",
-    "parse_bytes",
-]
+__all__ = ["EstimateError", "MemoryEstimate", "estimate_memory", "fake_process_group"]
 
 
 class EstimateError(SlapoError, RuntimeError):
     """The memory estimate cannot be made: bad arguments, or the fake training step failed."""
 
 
-class MemorySizeError(SlapoError, ValueError):
-    """A memory size (``--memory-budget``) that does not parse, e.g. ``8 gigs``."""
-
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "kib": 2**10, "kb": 10**3,
-    "m": 2**20, "mib": 2**20, "mb": 10**6,
-    "g": 2**30, "gib": 2**30, "gb": 10**9,
-    "t": 2**40, "tib": 2**40, "tb": 10**12,
-}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_bytes(size: int | float | str) -> int:
-    """A memory size in bytes: an int, or text such as ``"8GiB"``, ``"512 MB"``, ``"1.5g"``.
-
-    ``KiB``/``MiB``/``GiB``/``TiB`` and a bare ``K``/``M``/``G``/``T`` are powers of 1024;
-    ``KB``/``MB``/``GB``/``TB`` powers of 1000.
-
-    Example:
-        >>> parse_bytes("8GiB"), parse_bytes("1.5k"), parse_bytes(4096)
-        (8589934592, 1536, 4096)
-    """
-    if isinstance(size, bool):
-        raise MemorySizeError(
-            f"a memory size must be a number of bytes or text like 8GiB, got {size!r}"
-        )
-    if isinstance(size, (int, float)):
-        value, unit = float(size), ""
-    else:
-        match = _SIZE.match(str(size))
-        if not match or match.group(2).lower() not in _UNITS:
-            raise MemorySizeError(
-                f"cannot read {size!r} as a memory size: write a number of bytes or a number "
-                "with a unit, e.g. 8GiB, 512MiB, 2GB (KiB/MiB/GiB/TiB or K/M/G/T: powers of "
-                "1024; KB/MB/GB/TB: powers of 1000)"
-            )
-        value, unit = float(match.group(1)), match.group(2).lower()
-    nbytes = value * _UNITS[unit]
-    if not nbytes > 0 or nbytes != nbytes:
-        raise MemorySizeError(f"a memory size must be positive, got {size!r}")
-    return int(nbytes)
-
-
-def memory_size_arg(text: str) -> int:
-    """:func:`parse_bytes` as an ``argparse`` type: a bad size is a usage error that says why.
-
-    Example:
-        >>> argparse.ArgumentParser().add_argument("--memory-budget", type=memory_size_arg)
-    """
-    import argparse
-
-    try:
-        return parse_bytes(text)
-    except MemorySizeError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` in the largest binary unit that keeps it at 1 or more.
-
-    Example:
-        >>> format_bytes(3 * 2**20), format_bytes(512)
-        ('3.00 MiB', '512 B')
-    """
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """The predicted memory of one training step, in bytes (see :mod:`slapo.memory_plan`).
+    """The predicted memory of one training step, in bytes (see :mod:`slapo.memory.estimate`).
 
     Attributes:
         params, buffers, grads, optimizer_state, activations: the parts; :attr:`peak` is their sum.
@@ -161,6 +80,12 @@ class MemoryEstimate:
         model, optimizer: class names, for the report.
         device: the device type the model's parameters train on ("cpu", "cuda", ...).
         rank, world_size: this process in its process group (None, 1 without one).
+        engine: bytes a parallel engine holds besides the parts (DDP's gradient buckets,
+            FSDP's gathered parameters, DeepSpeed's fp32 partition), by name in ``engine_parts``
+            (:func:`slapo.estimate_layout`).
+        device_resident: RoundPipe only: the most bytes one device holds at once.
+        target, layout, stage: the build target, ``{"dp", "pp", "tp"}`` sizes and the pipeline
+            stage (None without one) this rank's estimate is of.
 
     Example:
         >>> est = slapo.estimate_memory(sch, batch)
@@ -182,11 +107,21 @@ class MemoryEstimate:
     device: str = "cpu"
     rank: int | None = None
     world_size: int = 1
+    engine: int = 0
+    engine_parts: dict[str, int] = field(default_factory=dict)
+    device_resident: int | None = None
+    target: str = "eager"
+    layout: dict[str, int] = field(default_factory=lambda: {"dp": 1, "pp": 1, "tp": 1})
+    stage: int | None = None
 
     @property
     def peak(self) -> int:
-        """Every part at once: parameters, buffers, gradients, optimizer state, activations."""
-        return self.params + self.buffers + self.grads + self.optimizer_state + self.activations
+        """Every part at once: parameters, buffers, gradients, optimizer state, activations and
+        the engine's buffers."""
+        return (
+            self.params + self.buffers + self.grads + self.optimizer_state + self.activations
+            + self.engine
+        )  # fmt: skip
 
     @property
     def required(self) -> int:
@@ -220,9 +155,14 @@ class MemoryEstimate:
     def table(self, top: int = 12) -> str:
         """A readable report: the parts, the peaks, and the ``top`` blocks by activations."""
         where = "" if self.rank is None else f", rank {self.rank} of {self.world_size}"
+        if self.target != "eager" or self.layout.get("pp", 1) > 1:
+            sizes = " x ".join(f"{k}{v}" for k, v in self.layout.items())
+            where += f", target {self.target} {sizes}"
+            where += "" if self.stage is None else f" (stage {self.stage})"
         rows = [
             ("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
             ("optimizer state", self.optimizer_state), ("activations", self.activations),
+            *self.engine_parts.items(),
         ]  # fmt: skip
         width = 28
         lines = [
@@ -237,6 +177,9 @@ class MemoryEstimate:
         lines.append(
             f"  {'required (larger of the two)':<{width}}{format_bytes(self.required):>12}"
         )
+        if self.device_resident is not None:
+            resident = format_bytes(self.device_resident)
+            lines.append(f"  {'resident on one device':<{width}}{resident:>12}")
         blocks = self.by_block()
         if blocks:
             lines.append("  activations by block:")
@@ -296,7 +239,7 @@ def _optimizer_classes() -> dict[str, type]:
 
 
 def _module_of(sch: Any) -> nn.Module:
-    from .schedule import Schedule
+    from ..schedule import Schedule
 
     if isinstance(sch, Schedule):
         return sch.mod
@@ -560,7 +503,7 @@ def estimate_memory(
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
-    from .targets.contract import output_loss, split_batch
+    from ..targets.contract import output_loss, split_batch
 
     model = _module_of(sch)
     args, kwargs, target = split_batch(batch, with_target=loss_fn is not None)

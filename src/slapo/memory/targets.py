@@ -1,0 +1,420 @@
+"""The memory of one rank under every build target and layout: ``dp x pp x tp``.
+
+:func:`slapo.estimate_memory` runs one fake step of the schedule's own module: that is one rank of
+the ``eager`` target, or one tensor-parallel rank when the schedule is sharded over a (fake or
+real) group. The engines of the other targets change what a rank holds, and this module models
+how, from that one fake step and the module's parameter shapes (nothing is allocated):
+
+=============  ====================================================================================
+target         what one rank holds
+=============  ====================================================================================
+eager          the step as estimated
+ddp            the same, plus DDP's gradient buckets (with ``gradient_as_bucket_view=False``, the
+               default, a copy of every gradient: ``engine`` bytes)
+fsdp           parameters, gradients and optimizer state sharded ``1/dp`` (FSDP2 pads each
+               parameter's first dimension to a multiple of ``dp``), plus the parameters gathered
+               at once (``engine``): the root's (kept unsharded from forward to backward) and two
+               blocks' (the one running and the one prefetched in backward)
+deepspeed      ZeRO-1: optimizer state ``1/dp``; ZeRO-2: gradients too; ZeRO-3: parameters too.
+               DeepSpeed keeps an fp32 master copy of the rank's partition (``engine``)
+pipeline       the stage's parameters, gradients and optimizer state (a tied weight on two stages
+               is held by both), and the activations of the microbatches in flight: GPipe keeps
+               all ``num_microbatches``; 1F1B at most ``pp - stage`` (the first stage the most)
+roundpipe      everything on the host, as eager; ``device_resident``: the bytes a device holds at
+               once: one stage's parameters, buffers and gradients, plus the next stage's where
+               uploads are prefetched (CUDA, or a modelled link on CPU)
+=============  ====================================================================================
+
+Data parallelism composes on each stage of a pipeline (``pp`` > 1 with ``target`` ddp, fsdp or
+deepspeed: the dp engine shards that stage's state), and tensor parallelism within each stage
+(the schedule given is sharded over its ``tp`` group). Ranks lie on a ``("dp", "pp", "tp")`` mesh
+as torchtitan lays them out: ``rank = (dp_rank * pp + stage) * tp + tp_rank``.
+
+Example:
+    >>> with slapo.memory.fake_process_group(2, rank=0) as group:       # tp 2, this is tp rank 0
+    ...     sch = slapo.model_schedule.apply_schedule(model, group=group)
+    ...     sch["model.layers.1"].cut_pipeline_stage()
+    ...     est = slapo.estimate_layout(sch, batch, target="fsdp", dp=2, pp=2, tp=2, rank=0,
+    ...                                 num_microbatches=4, pipeline_schedule="1F1B")
+    >>> est.stage, est.target
+    (0, 'fsdp')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .estimate import EstimateError, MemoryEstimate, estimate_memory
+
+__all__ = [
+    "LAYOUT_TARGETS",
+    "PIPELINE_SCHEDULES",
+    "LayoutSpec",
+    "apply_layout",
+    "estimate_layout",
+    "roundpipe_resident",
+]
+
+#: The targets this module models (``pipeline`` is the pipeline engine with no dp engine).
+LAYOUT_TARGETS = ("eager", "ddp", "fsdp", "deepspeed", "pipeline", "roundpipe")
+#: The pipeline schedules modelled, as ``torch.distributed.pipelining`` names them.
+PIPELINE_SCHEDULES = ("GPipe", "1F1B")
+_DP_ENGINES = ("ddp", "fsdp", "deepspeed")
+
+
+@dataclass(frozen=True)
+class LayoutSpec:
+    """One rank of a layout: the target (the data-parallel engine, or ``pipeline``/``roundpipe``),
+    the mesh's sizes and this rank on it, and the knobs that change its memory.
+
+    Attributes:
+        target: one of :data:`LAYOUT_TARGETS`.
+        dp, pp, tp: the mesh's sizes; ``pp`` > 1 cuts the model at its ``cut_pipeline_stage``s.
+        rank: this process's global rank on the ``("dp", "pp", "tp")`` mesh.
+        num_microbatches, pipeline_schedule: the pipeline's (with ``pp`` > 1).
+        zero_stage: DeepSpeed's ZeRO stage (0 to 3).
+        reshard_after_forward: FSDP2's (False: every block stays gathered from forward on).
+        devices, prefetch: RoundPipe's devices and whether it prefetches uploads.
+
+    Example:
+        >>> LayoutSpec("fsdp", dp=2, pp=2, tp=2, rank=5).coords()   # (dp_rank, stage, tp_rank)
+        (1, 0, 1)
+    """
+
+    target: str = "eager"
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    rank: int = 0
+    num_microbatches: int = 1
+    pipeline_schedule: str = "1F1B"
+    zero_stage: int = 2
+    reshard_after_forward: bool = True
+    devices: int = 1
+    prefetch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.target not in LAYOUT_TARGETS:
+            raise EstimateError(
+                f"unknown target {self.target!r}: the memory planner models {LAYOUT_TARGETS}"
+            )
+        for name in ("dp", "pp", "tp", "num_microbatches", "devices"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EstimateError(f"{name} must be a positive int, got {value!r}")
+        if not 0 <= self.rank < self.world:
+            raise EstimateError(f"rank must lie in [0, {self.world}) for {self.describe()}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise EstimateError(
+                f"pipeline_schedule must be one of {PIPELINE_SCHEDULES}, "
+                f"got {self.pipeline_schedule!r}"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise EstimateError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.target in ("eager", "roundpipe", "pipeline") and self.dp > 1:
+            raise EstimateError(
+                f"target {self.target} has no data-parallel engine: with dp {self.dp} name one "
+                f"(target= {', '.join(_DP_ENGINES)})"
+            )
+        if self.target == "roundpipe" and (self.pp > 1 or self.tp > 1):
+            raise EstimateError("target roundpipe runs in one process: pp and tp must be 1")
+
+    @property
+    def world(self) -> int:
+        """The number of processes: ``dp * pp * tp``."""
+        return self.dp * self.pp * self.tp
+
+    def coords(self) -> tuple[int, int, int]:
+        """``(dp_rank, stage, tp_rank)`` of :attr:`rank` on the ``("dp", "pp", "tp")`` mesh."""
+        tp_rank = self.rank % self.tp
+        stage = (self.rank // self.tp) % self.pp
+        return self.rank // (self.tp * self.pp), stage, tp_rank
+
+    def describe(self) -> str:
+        """The layout in words, e.g. ``fsdp dp2 x pp2 x tp2 (1F1B, 4 microbatches)``."""
+        text = f"{self.target} dp{self.dp} x pp{self.pp} x tp{self.tp}"
+        if self.pp > 1:
+            text += f" ({self.pipeline_schedule}, {self.num_microbatches} microbatches)"
+        if self.target == "deepspeed":
+            text += f" ZeRO-{self.zero_stage}"
+        return text
+
+
+# ----- what a module holds, by stage -------------------------------------------------------------
+def _local_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t`` on this rank: a DTensor's local shard, a meta tensor's would-be size."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def _stage_assigner(model: nn.Module, cuts: Iterable[str]) -> Callable[[str], int]:
+    """``stage(path)`` of a module path: the number of cuts whose subtree ends before it, in the
+    module tree's pre-order (the forward order of a model that registers its modules in the order
+    it runs them, as transformers models do). A module above a cut (the root, ``transformer``)
+    spans stages: what it does itself (the loss, of a causal LM) is counted on the last stage."""
+    order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+    ends = []
+    for cut in cuts:
+        if cut not in order:
+            raise EstimateError(f"pipeline cut {cut!r} is no submodule of {type(model).__name__}")
+        subtree = [i for p, i in order.items() if p == cut or p.startswith(cut + ".")]
+        ends.append(max(subtree))
+    ends.sort()
+    last = len(ends)
+    cut_set = set(cuts)
+
+    def stage(path: str) -> int:
+        above = path not in cut_set and any(not path or c.startswith(path + ".") for c in cut_set)
+        index = order.get(path)
+        if above or index is None:
+            return last
+        return sum(1 for end in ends if index > end)
+
+    return stage
+
+
+def _params_by_stage(
+    model: nn.Module, stage_of: Callable[[str], int], stages: int
+) -> list[dict[int, torch.Tensor]]:
+    """Per stage, its parameters by id: a weight tied across stages is in each that uses it."""
+    out: list[dict[int, torch.Tensor]] = [{} for _ in range(stages)]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owner = name.rpartition(".")[0]
+        out[stage_of(owner)][id(p)] = p
+    return out
+
+
+def _blocks(model: nn.Module) -> list[str]:
+    """The paths of the blocks of every layer list (FSDP's units, as the fsdp target wraps)."""
+    blocks: list[str] = []
+    for path, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList):
+            for name, _ in mod.named_children():
+                child = f"{path}.{name}" if path else name
+                if not any(child.startswith(b + ".") for b in blocks):
+                    blocks.append(child)
+    return blocks
+
+
+def _fsdp_shard(p: torch.Tensor, dp: int) -> int:
+    """The bytes of one FSDP2 shard of ``p``: its first dimension padded to a multiple of dp."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    if local.dim() == 0:
+        return local.element_size()
+    rows = math.ceil(local.shape[0] / dp)
+    return rows * (local.numel() // max(local.shape[0], 1)) * local.element_size()
+
+
+# ----- the models --------------------------------------------------------------------------------
+def roundpipe_resident(passes: list[list[int]], devices: int = 1, prefetch: bool = False) -> int:
+    """The most bytes one RoundPipe device holds at once, as its memory account counts them.
+
+    ``passes`` are the uploads of each pass (the forward, whose last stage runs fused with its
+    backward, then the backward) in the order RoundPipe launches them: each stage's parameters,
+    buffers and room for its gradients. Jobs go to the devices round-robin. A device holds its
+    running stage, and with ``prefetch`` also its next job of the same pass (a pass's jobs are
+    queued when it launches; the backward's only after the forward ends).
+
+    Example:
+        >>> roundpipe_resident([[10, 30, 20], [30, 10]])
+        30
+        >>> roundpipe_resident([[10, 30, 20], [30, 10]], prefetch=True)
+        50
+    """
+    peak, job = 0, 0
+    for jobs in passes:
+        on_device: dict[int, list[int]] = {}
+        for nbytes in jobs:
+            on_device.setdefault(job % devices, []).append(nbytes)
+            job += 1
+        for mine in on_device.values():
+            for i, nbytes in enumerate(mine):
+                ahead = mine[i + 1] if prefetch and i + 1 < len(mine) else 0
+                peak = max(peak, nbytes + ahead)
+    return peak
+
+
+def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEstimate:
+    """What one rank of ``spec`` holds, from ``base``: :func:`slapo.estimate_memory` of
+    ``model`` (the schedule's module, sharded over its tp group) on one data-parallel rank's
+    batch, or on one microbatch of it when ``spec.pp > 1``.
+
+    Example:
+        >>> base = slapo.estimate_memory(sch, batch)
+        >>> apply_layout(base, sch.mod, LayoutSpec("ddp", dp=2)).engine == base.grads
+        True
+    """
+    from ..primitives.cut_pipeline_stage import pipeline_cuts
+    from ..schedule import Schedule
+
+    cuts = pipeline_cuts(model) if isinstance(model, Schedule) else []
+    module = model.mod if isinstance(model, Schedule) else model
+    _, stage, _ = spec.coords()
+    stages = 1
+    if spec.pp > 1 or spec.target == "roundpipe":
+        stages = len(cuts) + 1
+        if spec.pp > 1 and stages != spec.pp:
+            raise EstimateError(
+                f"pp {spec.pp} needs {spec.pp - 1} cut_pipeline_stage cut(s) in the schedule; "
+                f"it has {len(cuts)}"
+            )
+    stage_of = _stage_assigner(module, cuts if stages > 1 else [])
+    by_stage = _params_by_stage(module, stage_of, stages)
+    all_params = {k: v for group in by_stage for k, v in group.items()}
+    trainable_total = sum(_local_nbytes(p) for p in all_params.values() if p.requires_grad)
+    # optimizer state per trainable byte (AdamW: 2 and a step count per parameter)
+    state_ratio = base.optimizer_state / trainable_total if trainable_total else 0.0
+    parts: dict[str, int] = {}
+
+    mine = by_stage[stage] if spec.pp > 1 else all_params
+    params = sum(_local_nbytes(p) for p in mine.values())
+    trainable = sum(_local_nbytes(p) for p in mine.values() if p.requires_grad)
+    buffers, grads, state = base.buffers, trainable, round(trainable * state_ratio)
+    activations, by_module = base.activations, dict(base.by_module)
+    if spec.pp > 1:
+        by_module = {k: n for k, n in by_module.items() if stage_of(k) == stage}
+        in_flight = spec.num_microbatches
+        if spec.pipeline_schedule == "1F1B":
+            in_flight = min(spec.num_microbatches, spec.pp - stage)
+        by_module = {k: n * in_flight for k, n in by_module.items()}
+        activations = sum(by_module.values())
+        buffer_owners = {
+            id(b): stage_of(n.rpartition(".")[0]) for n, b in module.named_buffers()
+        }  # fmt: skip
+        buffers = sum(
+            _local_nbytes(b) for b in module.buffers() if buffer_owners.get(id(b), stage) == stage
+        )
+
+    target = spec.target
+    if target == "ddp" and spec.dp > 1:
+        parts["ddp gradient buckets"] = grads
+    elif target == "fsdp" and spec.dp > 1:
+        shard = {i: _fsdp_shard(p, spec.dp) for i, p in mine.items()}
+        params = sum(shard.values())
+        grads = sum(shard[i] for i, p in mine.items() if p.requires_grad)
+        state = round(grads * state_ratio)
+        in_blocks: dict[str, int] = {}
+        for block in _blocks(module):
+            if spec.pp == 1 or stage_of(block) == stage:
+                owned = {id(p): p for p in module.get_submodule(block).parameters()}
+                in_blocks[block] = sum(_local_nbytes(p) for i, p in owned.items() if i in mine)
+        block_ids = {
+            id(p) for b in in_blocks for p in module.get_submodule(b).parameters()
+        }  # fmt: skip
+        root = sum(_local_nbytes(p) for i, p in mine.items() if i not in block_ids)
+        largest = sorted(in_blocks.values(), reverse=True)[:2]
+        gathered = root + (sum(largest) if spec.reshard_after_forward else sum(in_blocks.values()))
+        parts["fsdp gathered parameters"] = gathered
+    elif target == "deepspeed" and spec.dp > 1:
+        part = math.ceil(trainable / spec.dp)
+        state = round(part * state_ratio)
+        if spec.zero_stage >= 2:
+            grads = part
+        if spec.zero_stage >= 3:
+            params = math.ceil(params / spec.dp)
+        if spec.zero_stage >= 1:
+            parts["deepspeed fp32 partition"] = part
+    resident = None
+    if target == "roundpipe":
+        uploads = []
+        for group in by_stage:
+            held = sum(_local_nbytes(p) for p in group.values())
+            held += sum(_local_nbytes(p) for p in group.values() if p.requires_grad)
+            uploads.append(held)
+        # the stages run forward in order (the last one fused with its backward), then the
+        # backward pass the others in reverse
+        passes = [uploads, uploads[-2::-1]]
+        resident = roundpipe_resident(passes, spec.devices, spec.prefetch) + base.buffers
+    engine = sum(parts.values())
+    live = base.live_peak - base.params - base.grads - base.optimizer_state - base.activations
+    live = max(live, 0) + params + grads + state + activations + engine
+    return dataclasses.replace(
+        base,
+        params=params,
+        buffers=buffers,
+        grads=grads,
+        optimizer_state=state,
+        activations=activations,
+        live_peak=live,
+        by_module=by_module,
+        engine=engine,
+        engine_parts=parts,
+        device_resident=resident,
+        target=target,
+        layout={"dp": spec.dp, "pp": spec.pp, "tp": spec.tp},
+        stage=stage if spec.pp > 1 else None,
+        rank=spec.rank if spec.world > 1 else base.rank,
+        world_size=spec.world if spec.world > 1 else base.world_size,
+    )
+
+
+def _microbatch(batch: Any, num_microbatches: int) -> Any:
+    """The first of ``num_microbatches`` equal slices of ``batch`` along its first dimension."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0 or batch.shape[0] % num_microbatches:
+            raise EstimateError(
+                f"the batch's first dimension ({tuple(batch.shape)}) does not split into "
+                f"{num_microbatches} microbatches"
+            )
+        return batch[: batch.shape[0] // num_microbatches]
+    if isinstance(batch, Mapping):
+        return {k: _microbatch(v, num_microbatches) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_microbatch(v, num_microbatches) for v in batch)
+    return batch
+
+
+def estimate_layout(
+    sch: Any,
+    batch: Any,
+    *,
+    target: str = "eager",
+    dp: int = 1,
+    pp: int = 1,
+    tp: int = 1,
+    rank: int = 0,
+    num_microbatches: int = 1,
+    pipeline_schedule: str = "1F1B",
+    zero_stage: int = 2,
+    reshard_after_forward: bool = True,
+    devices: int = 1,
+    prefetch: bool = False,
+    **estimate_kwargs: Any,
+) -> MemoryEstimate:
+    """Predict the memory of one training step of rank ``rank`` of a ``dp x pp x tp`` layout.
+
+    Args:
+        sch: the schedule (its ``cut_pipeline_stage`` cuts make the stages when ``pp`` > 1);
+            for ``tp`` > 1 built over a tensor-parallel group of that size
+            (:func:`~slapo.memory.fake_process_group` in one process), as that rank's share.
+        batch: what one data-parallel rank trains on in a step (all its microbatches).
+        target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
+        reshard_after_forward, devices, prefetch: see :class:`LayoutSpec`.
+        **estimate_kwargs: ``optimizer``, ``optimizer_kwargs``, ``loss_fn``, ``device`` of
+            :func:`slapo.estimate_memory`.
+
+    Returns:
+        A :class:`~slapo.memory.MemoryEstimate` of that rank: ``target``, ``layout`` and
+        ``stage`` say which; ``engine`` counts the engine's own buffers; ``device_resident``
+        RoundPipe's device bytes.
+
+    Example:
+        >>> est = slapo.estimate_layout(sch, batch, target="pipeline", pp=2, rank=0,
+        ...                             num_microbatches=4, pipeline_schedule="GPipe")
+        >>> est.stage, est.layout
+        (0, {'dp': 1, 'pp': 2, 'tp': 1})
+    """
+    spec = LayoutSpec(
+        target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
+        reshard_after_forward, devices, prefetch,
+    )  # fmt: skip
+    step_batch = _microbatch(batch, num_microbatches) if pp > 1 else batch
+    base = estimate_memory(sch, step_batch, **estimate_kwargs)
+    return apply_layout(base, sch, spec)

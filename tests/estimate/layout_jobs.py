@@ -1,0 +1,292 @@
+"""Spawned gloo jobs: each rank estimates its share of a layout (``slapo.estimate_layout``) and
+measures a real step of the same build target to check it.
+
+The measurement, independent of the planner: the rank's model state as its engine holds it after
+a real step (parameter, gradient and optimizer-state storages, engine buffers read from the
+engine), plus the most bytes *saved for backward alive at once*: every tensor autograd saves is
+counted when packed (one count per storage, parameters excluded) and uncounted when its storage
+is freed (``weakref.finalize``). The latter is what a pipeline schedule keeps in flight: GPipe
+holds every microbatch's saved tensors until its backwards run; 1F1B frees one before the next
+forward. A one-process step (``tests/estimate/measure.py``) counts them all at once instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+import slapo
+
+VOCAB, SEQ, BATCH, LAYERS = 96, 64, 8, 4
+
+
+def make_model() -> nn.Module:
+    """A GPT-2 whose activations weigh as much as its parameters (no dropout: same every run)."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=LAYERS, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def make_batch(size: int = BATCH, seed: int = 0) -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _storage_bytes(tensors: Any) -> int:
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        st = local.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(opt: Any) -> int:
+    state = getattr(opt, "optimizer", opt).state  # RoundPipe wraps the optimizer it steps
+    return _storage_bytes(
+        v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()
+    ) + sum(  # the step counts (0-dim) are not shared: one storage each
+        v.untyped_storage().nbytes() for s in state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and not v.dim()
+    )  # fmt: skip
+
+
+class LiveSaved:
+    """The most bytes saved for backward alive at once while it is entered (see the module doc).
+
+    ``skip()`` returns the data pointers not to count (parameters, gathered ones included);
+    ``sample()``, called at every pack and unpack, lets a caller track other bytes over time."""
+
+    def __init__(self, skip: Callable[[], set[int]], sample: Callable[[], None] = lambda: None):
+        self.skip, self.sample = skip, sample
+        self.alive: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.alive.pop(key, 0)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.sample()
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self.alive and st.data_ptr() not in self.skip() and st.nbytes():
+            self.alive[key] = st.nbytes()
+            weakref.finalize(st, self._freed, key)
+            self.now += st.nbytes()
+            self.peak = max(self.peak, self.now)
+        return t
+
+    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
+        self.sample()
+        return t
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[LiveSaved]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield self
+
+
+def _report(est: Any, measured: dict[str, int]) -> dict[str, Any]:
+    return {
+        "est": {k: getattr(est, k) for k in (
+            "params", "buffers", "grads", "optimizer_state", "activations", "engine", "peak",
+            "device_resident")},
+        "engine_parts": dict(est.engine_parts),
+        "real": {**measured, "peak": sum(v for k, v in measured.items() if k != "resident")},
+        "stage": est.stage,
+    }  # fmt: skip
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+# ----- data parallel: ddp, fsdp, deepspeed ZeRO-2 -------------------------------------------------
+def data_parallel(rank: int, world: int) -> dict[str, Any]:
+    """Per engine: this rank's estimate and measurement of one step on its slice of the batch."""
+    out = {}
+    batch = make_batch(seed=rank)
+    for target in ("ddp", "fsdp", "deepspeed"):
+        sch = slapo.create_schedule(make_model())
+        opts = {"zero_stage": 2, "micro_batch_size": BATCH} if target == "deepspeed" else {}
+        est = slapo.estimate_layout(
+            sch, batch, target=target, dp=world, rank=rank, optimizer=torch.optim.AdamW,
+            optimizer_kwargs={"lr": 1e-3},
+        )  # fmt: skip
+        model, opt = slapo.build(
+            sch, target=target, optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3}, **opts
+        )  # fmt: skip
+        out[target] = _report(est, _measure_data_parallel(target, model, opt, batch))
+    return out
+
+
+def _fsdp_gathered(model: nn.Module) -> Callable[[], tuple[int, set[int]]]:
+    """Bytes and data pointers of the parameters FSDP2 holds unsharded right now."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_params, groups = [], []
+    for mod in model.modules():
+        if isinstance(mod, FSDPModule):
+            group = mod._get_fsdp_state()._fsdp_param_group
+            groups += [group] if group is not None else []
+            fsdp_params += list(group.fsdp_params) if group is not None else []
+
+    def now() -> tuple[int, set[int]]:
+        seen: dict[int, int] = {}
+        # a block's flat all-gather buffer (a prefetch waiting, or a copy-out not yet freed)
+        results = [g._all_gather_result for g in groups]
+        results += [getattr(g.comm_ctx.all_gather_state, "all_gather_result", None) for g in groups]
+        for result in results:
+            if result is not None and result.all_gather_output.untyped_storage().nbytes():
+                st = result.all_gather_output.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        for fp in fsdp_params:
+            for t in getattr(fp, "all_gather_outputs", None) or []:
+                st = t.untyped_storage()
+                if st.nbytes():
+                    seen[st.data_ptr()] = st.nbytes()
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.untyped_storage().nbytes():
+                st = unsharded.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values()), set(seen)
+
+    return now
+
+
+def _measure_data_parallel(target: str, model: Any, opt: Any, batch: Any) -> dict[str, int]:
+    gathered_peak = [0]
+    gathered = _fsdp_gathered(model) if target == "fsdp" else None
+
+    def sample() -> None:
+        if gathered is not None:
+            gathered_peak[0] = max(gathered_peak[0], gathered()[0])
+
+    def skip() -> set[int]:
+        ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+        return ptrs | (gathered()[1] if gathered is not None else set())
+
+    for _step in range(2):  # the second step: the optimizer state is there from its start
+        live = LiveSaved(skip, sample)
+        with live.counting():
+            slapo.train_step(model, batch)
+        sample()
+        engine: dict[str, int] = {}
+        if target == "deepspeed":
+            zero = opt.optimizer if hasattr(opt, "optimizer") else opt
+            zero = getattr(model, "optimizer", zero)
+            grads = _storage_bytes(
+                [zero.grads_in_partition] if getattr(zero, "grads_in_partition", None) is not None
+                else [g for g in zero.averaged_gradients.values() for g in g]
+            )  # fmt: skip
+            engine["fp32_partition"] = _storage_bytes(zero.single_partition_of_fp32_groups)
+            params = _storage_bytes(zero.bit16_groups_flat)
+        else:
+            grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+            params = _storage_bytes(model.parameters())
+        if target == "ddp":
+            buckets = model.reducer._get_zeros_like_grad_buckets()
+            engine["buckets"] = sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
+        if target == "fsdp":
+            engine["gathered"] = gathered_peak[0]
+        opt.step()
+        opt.zero_grad()
+    return {
+        "params": params, "buffers": _storage_bytes(model.buffers()), "grads": grads,
+        "optimizer_state": _state_bytes(opt), "activations": live.peak, **engine,
+    }  # fmt: skip
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+# ----- pipeline: GPipe and 1F1B --------------------------------------------------------------------
+CUTS = ["transformer.h.1"]
+MICRO = 4
+
+
+def causal_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    return F.cross_entropy(logits.flatten(0, 1), shifted.flatten())
+
+
+def pipeline(rank: int, world: int) -> dict[str, Any]:
+    """Per schedule: this stage's estimate and measurement of one step of ``MICRO`` microbatches."""
+    out = {}
+    batch = make_batch()
+    for schedule in ("GPipe", "1F1B"):
+        sch = slapo.create_schedule(make_model())
+        for path in CUTS:
+            sch[path].cut_pipeline_stage()
+        est = slapo.estimate_layout(
+            sch, batch, target="pipeline", pp=world, rank=rank, num_microbatches=MICRO,
+            pipeline_schedule=schedule, optimizer=torch.optim.AdamW,
+            optimizer_kwargs={"lr": 1e-3},
+        )  # fmt: skip
+        engine, opt = slapo.build(
+            sch, target="pipeline", schedule=schedule, num_microbatches=MICRO,
+            loss_fn=causal_loss, example_inputs=(batch["input_ids"],),
+            optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
+        )  # fmt: skip
+        params = list(engine.parameters())
+        ptrs = {p.untyped_storage().data_ptr() for p in params}
+        for _ in range(2):
+            live = LiveSaved(lambda ptrs=ptrs: ptrs)
+            with live.counting():
+                engine.step(batch["input_ids"], target=batch["labels"])
+            grads = _storage_bytes(p.grad for p in params if p.grad is not None)
+            opt.step()
+            opt.zero_grad()
+        measured = {
+            "params": _storage_bytes(params), "buffers": 0,  # the engine exposes no buffers (GPT-2 has none)
+            "grads": grads, "optimizer_state": _state_bytes(opt), "activations": live.peak,
+        }  # fmt: skip
+        out[schedule] = _report(est, measured)
+    return out
+
+
+# ----- roundpipe: the device's memory account ------------------------------------------------------
+def roundpipe() -> dict[str, Any]:
+    """RoundPipe on its virtual CPU devices (``ROUNDPIPE_VIRTUAL_DEVICES``; uploads prefetched
+    with ``ROUNDPIPE_VIRTUAL_LINK_GBPS``): the estimate's ``device_resident`` and the most bytes
+    any device's memory account held in a step."""
+    from roundpipe.device import get_devices, prefetch_enabled
+
+    devices = len(get_devices())
+    prefetch = prefetch_enabled() and all(d.async_copies for d in get_devices())
+    batch = make_batch()
+    sch = slapo.create_schedule(make_model())
+    for path in ("transformer.h.0", "transformer.h.2"):
+        sch[path].cut_pipeline_stage()
+    est = slapo.estimate_layout(
+        sch, batch, target="roundpipe", devices=devices, prefetch=prefetch, optimizer=_adamw
+    )
+    model, opt = slapo.build(sch, target="roundpipe", num_microbatch=2, optimizer=_adamw)
+    for _ in range(2):
+        for device in get_devices():
+            device.memory.reset_peak()
+        slapo.train_step(model, batch)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "est": est.device_resident,
+        "real": max(d.memory.peak for d in get_devices()),
+        "devices": devices,
+        "prefetch": prefetch,
+    }
+
+
+def roundpipe_job(rank: int, world: int) -> dict[str, Any]:
+    """:func:`roundpipe` in a fresh process: RoundPipe reads its devices' settings once."""
+    return roundpipe()
