@@ -1,7 +1,7 @@
 """A tuning space over layouts, for ``slapo tune`` on ``slapo train``: tensor, pipeline and data
 parallel sizes, the pipeline's microbatches and schedule.
 
-    slapo tune --config examples/tune_layouts.py --db layouts.json --memory-budget 64MiB \
+    slapo tune --config examples/tune_layouts.py --db layouts.json --memory-budget 32MiB \
         -- slapo train --model llama --steps 20 --baseline-steps 0 --no-sample --no-progress --json
 
 Each trial runs on dp * tp * pp processes, launched by the tuner:

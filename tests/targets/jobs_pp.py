@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import hf_models
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -181,6 +182,54 @@ def check_dp_pp_tp(family: str, world: int, tp: int, data_parallel: str = "ddp")
         torch.testing.assert_close(grad(p), 2 * scale * want(name), **TOL)
 
 
+def check_grad_scaler(world: int, data_parallel: str) -> None:
+    """Loss scaling on dp 2 x 2 stages: the step reports the unscaled loss, unscaled gradients
+    are the single process's, and an inf on one rank makes every rank skip the step and halve
+    its scale (the inf checks agree over the world)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    mesh = init_device_mesh("cpu", (world // 2, 2, 1), mesh_dim_names=("dp", "pp", "tp"))
+    ref_loss, ref_grads = reference("gpt2", micro=world // 2 * MICRO)
+    sch = slapo.create_schedule(make("gpt2"))
+    sch[CUTS[("gpt2", 2)][0]].cut_pipeline_stage()
+    ids, labels = data()
+    rows = len(ids) // mesh["dp"].size()
+    mine = slice(mesh["dp"].get_local_rank() * rows, (mesh["dp"].get_local_rank() + 1) * rows)
+    with pytest.raises(TargetError, match="ShardedGradScaler"):
+        slapo.build(sch, target="pipeline", num_microbatches=MICRO, loss_fn=loss_fn,
+                    group=mesh, grad_scaler=torch.amp.GradScaler("cpu"))  # fmt: skip
+    scaler = ShardedGradScaler(device="cpu", init_scale=1024.0)
+    engine, opt = slapo.build(
+        sch, target="pipeline", num_microbatches=MICRO, loss_fn=loss_fn, group=mesh,
+        example_inputs=ids[mine], optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1},
+        data_parallel=data_parallel, grad_scaler=scaler,
+    )  # fmt: skip
+    torch.testing.assert_close(engine.step(ids[mine], target=labels[mine]), ref_loss, **TOL)
+    scaler.unscale_(opt)
+    for name, p in engine.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m, n=name: n + m)
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    assert scaler.get_scale() == 1024.0
+    engine.step(ids[mine], target=labels[mine])
+    if dist.get_rank() == world - 1:  # one rank's gradient overflows
+        grad = next(p.grad for p in engine.parameters() if p.grad is not None)
+        (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+    def local(t: torch.Tensor) -> torch.Tensor:  # (DTensor comparisons are collectives)
+        return t.detach().to_local() if hasattr(t, "to_local") else t.detach()
+
+    before = [local(p).clone() for p in engine.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert all([torch.equal(a, local(b)) for a, b in zip(before, engine.parameters())])
+    assert scaler.get_scale() == 512.0
+
+
 def check_all_params_covered(world: int) -> None:
     """Every parameter of the model is on some stage, under its own name; the table lists them."""
     import torch.distributed as dist
@@ -345,6 +394,8 @@ def pp4_checks(rank: int, world: int, pg_timeout: float) -> dict:
         "dp_x_pp_gpt2": lambda: check_dp_pp_tp("gpt2", world, tp=1),
         "dp_x_pp_llama": lambda: check_dp_pp_tp("llama", world, tp=1),
         "dp_x_pp_gpt2_fsdp": lambda: check_dp_pp_tp("gpt2", world, tp=1, data_parallel="fsdp"),
+        "grad_scaler_ddp": lambda: check_grad_scaler(world, "ddp"),
+        "grad_scaler_fsdp": lambda: check_grad_scaler(world, "fsdp"),
         "stage_failure": lambda: check_stage_failure(rank, world, pg_timeout),
     }
 

@@ -48,6 +48,8 @@ def test_pp2(ranks2, check):
         "dp_x_pp_gpt2",
         "dp_x_pp_llama",
         "dp_x_pp_gpt2_fsdp",
+        "grad_scaler_ddp",
+        "grad_scaler_fsdp",
         "stage_failure",
     ],
 )

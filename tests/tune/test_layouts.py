@@ -19,7 +19,16 @@ from slapo.tune.trial import failure_reason, run_trial
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tune_layouts.py"
 TINY = ["--model", "llama", "--seq-len", "16", "--batch-size", "2", "--steps", "3"]
-QUIET = ["--baseline-steps", "0", "--no-sample", "--no-tensorboard", "--no-progress", "--json"]
+QUIET = [
+    "--baseline-steps",
+    "0",
+    "--no-sample",
+    "--no-tensorboard",
+    "--no-progress",
+    "--json",
+    "--compile-model",
+    "false",
+]
 RUN = ["-m", "torch.distributed.run"]
 
 
@@ -113,6 +122,7 @@ def test_max_procs_skips_the_wide_layouts_before_any_trial(tmp_path, capsys):
 
 
 # ----- (b) --memory-budget prunes layouts per rank, before any trial ---------------------------
+@pytest.mark.slow
 def test_memory_budget_keeps_the_sharded_layouts_and_drops_the_unsharded(tmp_path, capsys):
     from slapo.cli import main as slapo_main
     from slapo.train.cli import train_estimator
@@ -213,3 +223,12 @@ def test_a_timed_out_layout_trial_stops_torchruns_workers(tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), "torchrun's workers outlived the stopped trial"
+
+
+def test_docstring_examples_of_the_launch_module():
+    import doctest
+
+    import slapo.tune.launch
+
+    result = doctest.testmod(slapo.tune.launch, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -72,6 +72,7 @@ class _Plan:
     dp_group: dist.ProcessGroup | None = None  # the replicas of this rank's stages (None: one)
     dp_mesh: DeviceMesh | None = None  # the same, as FSDP2 takes it
     data_parallel: str = "ddp"
+    grad_scaler: Any = None  # scales each microbatch's loss (the step reports it unscaled)
     tp_group: dist.ProcessGroup | None = None  # the mesh's "tp" dimension (None: none)
 
     @property
@@ -225,6 +226,8 @@ class PipelineEngine:
                 if losses
                 else (torch.zeros(()))
             )
+            if self._plan.grad_scaler is not None and losses:
+                loss = loss / self._plan.grad_scaler.get_scale()
             src = self.stage_to_rank[self.num_stages - 1]
             dist.broadcast(loss, group=self.group, group_src=src)
             if self.dp_group is not None:  # the global batch's loss: the replicas' mean
@@ -405,6 +408,7 @@ def build_pipeline(
     optimizer_kwargs: dict[str, Any] | None = None,
     timeout: float = 60.0,
     data_parallel: str = "fsdp",
+    grad_scaler: Any = None,
 ) -> tuple[PipelineEngine, torch.optim.Optimizer | None]:
     """Split the model at its cuts and run this rank's stage(s) with a torch pipeline schedule.
 
@@ -438,6 +442,12 @@ def build_pipeline(
             after the last backward) or ``"ddp"`` (each replica holds the whole stage; the
             step's gradients are all-reduced in buckets after the schedule). Either way tied weights, the
             tensor-parallel hooks and gradient accumulation stay exact.
+        grad_scaler: a loss scaler for float16 training whose checks for inf/NaN gradients
+            agree over every rank (``torch.distributed.fsdp.sharded_grad_scaler.
+            ShardedGradScaler``: its ``unscale_`` all-reduces them over its ``process_group``,
+            default the world): each microbatch's loss is scaled before its backward and the
+            step returns it unscaled; call ``scaler.step(opt)`` and ``scaler.update()`` as
+            usual. Every rank then skips the same steps and keeps the same scale.
         optimizer: an optimizer class or factory. Built here over this rank's stage parameters;
             when the stages wait for the first step, built here over the model's parameters
             and narrowed to this rank's stage parameters when the stages are built (before the
@@ -477,6 +487,7 @@ def build_pipeline(
     inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
     model = sch.mod
     pp_group, pp_groups = _pp_groups(group)
+    loss_fn = _scaled_loss(loss_fn, grad_scaler)
     if data_parallel not in DATA_PARALLEL:
         raise TargetError(
             f"pipeline: data_parallel={data_parallel!r}; use one of {DATA_PARALLEL} (how the "
@@ -507,6 +518,7 @@ def build_pipeline(
         dp_group=_mesh_group(group, "dp"),
         dp_mesh=group["dp"] if _mesh_group(group, "dp") is not None else None,
         data_parallel=data_parallel,
+        grad_scaler=grad_scaler,
         tp_group=_mesh_group(group, "tp"),
     )
     engine = PipelineEngine(plan, FailTogether(_stages_of_rank(pp_groups, stage_to_rank), timeout))
@@ -579,6 +591,27 @@ def _pp_groups(group: Any) -> tuple[dist.ProcessGroup | None, list[list[int]]]:
     dim = names.index("pp")
     ranks = group.mesh.movedim(dim, -1).reshape(-1, group.mesh.shape[dim]).tolist()
     return group["pp"].get_group(), ranks
+
+
+def _scaled_loss(loss_fn: Callable[[Any, Any], torch.Tensor], scaler: Any) -> Callable:
+    """``loss_fn`` scaled by ``scaler`` (checked to agree over the ranks), or as it is."""
+    if scaler is None:
+        return loss_fn
+    if not hasattr(scaler, "process_group"):
+        raise TargetError(
+            f"pipeline: grad_scaler= is a {type(scaler).__name__}, which checks each rank's own "
+            "gradients for inf/NaN: the stages would skip different steps. Pass "
+            "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler(device=...), whose "
+            "checks agree over its process_group (default: every rank)"
+        )
+
+    def scaled(output: Any, target: Any) -> torch.Tensor:
+        return scaler.scale(loss_fn(output, target))
+
+    # the scale exists once something was scaled: on the ranks without the loss too, whose
+    # unscale_ and step need it
+    scaler.scale(torch.zeros(()))
+    return scaled
 
 
 def _specs_of(local: dict[int, nn.Module]) -> dict[str, Any]:

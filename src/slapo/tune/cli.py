@@ -14,7 +14,7 @@ it, the standalone ``python -m slapo.tune.cli`` does not).
 Layouts are symbols too: a configuration with ``tp``, ``pp`` or ``dp`` runs its trial under
 torchrun on ``dp * tp * pp`` processes (:mod:`slapo.tune.launch`; ``--max-procs`` skips those
 needing more), e.g. ``slapo tune --config examples/tune_layouts.py --db layouts.json
---memory-budget 64MiB -- slapo train --model llama --steps 20 --no-progress --json``.
+--memory-budget 32MiB -- slapo train --model llama --steps 20 --no-progress --json``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Where the estimate comes from:
   :class:`~slapo.memory.MemoryEstimate`, or None (unknown: the configuration runs);
 * otherwise, for a ``slapo train`` command, what ``slapo train`` would build with the command's
   flags and the configuration's (:func:`slapo.train.memory.train_estimator`, registered with
-  :func:`register_command_estimator`; ``--tp N`` is one rank of N).
+  :func:`register_command_estimator`; ``--tp N`` is one rank of N). A layout (``tp``, ``pp``,
+  ``dp`` symbols, see :mod:`slapo.tune.launch`) is estimated per rank, for the rank that needs the
+  most: a dp2 x pp2 layout that fits the budget fits it on each of its 4 processes.
 
 Example:
     slapo tune --config examples/tune_schedule.py --db db.json --memory-budget 40MiB \\
