@@ -38,7 +38,7 @@ from .targets import get_dialect_cls, init_target_engine, train_step
 from .tie_weights import analyze_tie_weights
 from .tracing import TraceError, trace, trace_module
 from .tune import Database, Space, Symbol
-from .verify import VerificationError, Verify
+from .verify import MetaVerifyError, VerificationError, Verify
 
 __version__ = "0.1.0"
 
@@ -71,6 +71,7 @@ __all__ = [
     "SchedulePathError",
     "SlapoError",
     "TargetError",
+    "MetaVerifyError",
     "VerificationError",
     "Verify",
     "Database",

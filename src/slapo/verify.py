@@ -4,6 +4,11 @@ On exit the scheduled model and a copy of the model taken on entry run the same 
 same RNG state; outputs, input gradients and every parameter gradient must match (a sharded
 parameter's gradient against the matching slice of the full one). When they differ, the recorded
 primitives are replayed one by one on a fresh copy to name the first one that breaks equivalence.
+
+A model created under ``init_empty_weights`` (parameters on the meta device) is checked too: the
+entry copy is materialized with the model's own initialization (as ``build`` does), and the
+scheduled model runs with the same values, found by parameter name (a sharded parameter gets its
+slice), swapped in for the check only: the user's model stays on the meta device.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .exceptions import SlapoError
+from .initialization import _outermost_hf_models, has_meta_tensors, materialize_module
 from .logger import get_logger
 from .random import get_cuda_rng_tracker
 from .schedule import PrimitiveRecord, Schedule, create_schedule
 from .sharding.spec import get_shard_spec
 from .surgery import label
+from .tracing.retrace import _ATTR as _RETRACE_ATTR
+from .tracing.retrace import fingerprint
 
-__all__ = ["Verify", "VerificationError"]
+__all__ = ["Verify", "VerificationError", "MetaVerifyError"]
 
 # (rtol, atol) per dtype: float32 allows for reordered reductions; half types for their precision.
 _TOLERANCES = {
@@ -39,6 +47,15 @@ _TOLERANCES = {
 
 class VerificationError(SlapoError, AssertionError):
     """The scheduled model's outputs or gradients differ from the original model's."""
+
+
+class MetaVerifyError(SlapoError, ValueError):
+    """A schedule on the meta device that Verify cannot give real values to.
+
+    Raised when a meta parameter or buffer of the scheduled model has no counterpart (by name, or
+    as a shard of one) in the model as it was on entering the block, e.g. a module replaced by one
+    with new parameters created under ``init_empty_weights``.
+    """
 
 
 @dataclass
@@ -89,6 +106,9 @@ class Verify(contextlib.ContextDecorator):
             always sum to one).
         rtol, atol: override the tolerances chosen from the output dtype.
 
+    A model on the meta device (``init_empty_weights``) is checked on a materialized copy and
+    stays on meta; a meta parameter with no counterpart by name raises :class:`MetaVerifyError`.
+
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
         >>> sch = slapo.create_schedule(model)
@@ -118,12 +138,24 @@ class Verify(contextlib.ContextDecorator):
         self.loss_fn = loss_fn
         self.rtol, self.atol = rtol, atol
         self._original: nn.Module | None = None
+        # The entry copy with real values: the original itself, or its materialized copy.
+        self._source: nn.Module | None = None
+        # Entry name of each tensor of the user's model (strong references keep the ids unique).
+        self._entry_names: dict[int, str] = {}
+        self._entry_tensors: list[torch.Tensor] = []
         self._first_record = 0
 
     def __enter__(self) -> Verify:
         if self.enable:
             self._original = copy.deepcopy(self.sch.mod)
             self._first_record = len(self.sch.metadata.primitives)
+            named = [
+                *self.sch.mod.named_parameters(remove_duplicate=False),
+                *self.sch.mod.named_buffers(remove_duplicate=False),
+            ]
+            for name, tensor in named:
+                self._entry_names.setdefault(id(tensor), name)
+                self._entry_tensors.append(tensor)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -131,7 +163,28 @@ class Verify(contextlib.ContextDecorator):
             return False  # never hide the error raised inside the block
         assert self._original is not None
         try:
-            reference = self._run(copy.deepcopy(self._original))
+            return self._check()
+        finally:
+            self._source = None
+            self._entry_names, self._entry_tensors = {}, []
+
+    def _check(self) -> bool:
+        assert self._original is not None
+        on_meta = has_meta_tensors(self._original) or has_meta_tensors(self.sch.mod)
+        self._source = _materialized(self._original) if on_meta else self._original
+        swaps: list[_Swap] = []
+        if on_meta:
+            problem: MetaVerifyError | None = None
+            try:
+                swaps = _real_values(self.sch.mod, self._source, self._entry_names)
+            except MetaVerifyError as err:
+                problem = err
+            if _on_any_rank(problem is not None):  # every rank stops (the runs hold collectives)
+                raise problem or MetaVerifyError(
+                    "Verify: another rank cannot give the meta schedule real values (see its error)"
+                )
+        try:
+            reference = self._run(copy.deepcopy(self._source))
         except Exception as err:  # noqa: BLE001  (bad example inputs, not a bad schedule)
             raise SlapoError(
                 "Verify: the original model (as it was on entering the block) raises "
@@ -140,7 +193,8 @@ class Verify(contextlib.ContextDecorator):
         error: Exception | None = None
         mismatch: _Mismatch | _Raised | None
         try:
-            mismatch = self._compare(reference, self._run(self.sch.mod))
+            with _swapped(self.sch.mod, swaps):  # the user's model is back on meta afterwards
+                mismatch = self._compare(reference, self._run(self.sch.mod))
         except Exception as err:  # noqa: BLE001  (a primitive broke the model: bisect to it)
             mismatch, error = _Raised(err), err
         if _on_any_rank(mismatch is not None):  # every rank takes the same path (collectives)
@@ -268,16 +322,18 @@ class Verify(contextlib.ContextDecorator):
         all its shards and syncs are applied), so a prefix that raises counts as failing and the
         search walks back from the full schedule to the last equivalent prefix.
         """
-        assert self._original is not None
+        assert self._source is not None
         details: list[str] = []
         for count in range(len(records), -1, -1):
-            replica = copy.deepcopy(self._original)
+            replica = copy.deepcopy(self._source)
             sch = create_schedule(replica, group=self.sch.group)
             try:
                 for record in records[:count]:
                     args, kwargs = copy.deepcopy((record.args, record.kwargs))
                     getattr(sch[record.path], record.name)(*args, **kwargs)
-                mismatch = self._compare(reference, self._run(sch.mod))
+                # A replacement created on the meta device gets its values as in the full check.
+                with _swapped(sch.mod, _real_values(sch.mod, self._source, {})):
+                    mismatch = self._compare(reference, self._run(sch.mod))
                 detail = str(mismatch) if mismatch else ""
             except Exception as err:  # noqa: BLE001  (an inconsistent intermediate schedule)
                 detail = str(_Raised(err))
@@ -327,6 +383,137 @@ def _projection_loss(outputs: list[torch.Tensor]) -> torch.Tensor:
     if total is None:
         raise SlapoError("Verify: the model produced no floating-point output that requires grad")
     return total
+
+
+# ----- meta-device schedules --------------------------------------------------------------------
+# (a meta tensor of the scheduled model, the real tensor that stands in for it during the check)
+_Swap = tuple[torch.Tensor, torch.Tensor]
+
+
+def _materialized(original: nn.Module) -> nn.Module:
+    """A copy of ``original`` with its meta tensors materialized by the model's own init.
+
+    The same seed on every rank gives every rank the same full values, so their shards agree.
+    Modules that neither transformers nor ``reset_parameters`` initialize would keep
+    ``torch.empty`` garbage (NaN compares equal to NaN): they get small random values instead.
+    """
+    model = copy.deepcopy(original)
+    was_meta = {
+        (id(mod), name)
+        for mod in model.modules()
+        for name, p in mod._parameters.items()
+        if p is not None and p.is_meta
+    }
+    with torch.random.fork_rng(devices=[]):  # leave the user's random stream alone
+        torch.manual_seed(0)
+        touched = materialize_module(model)
+        covered = {id(m) for hf in _outermost_hf_models(model) for m in hf.modules()}
+        with torch.no_grad():
+            for mod in touched:
+                if id(mod) in covered or hasattr(mod, "reset_parameters"):
+                    continue
+                for name, p in mod._parameters.items():
+                    if (id(mod), name) in was_meta:
+                        p.normal_(0.0, 0.02)
+    return model
+
+
+def _real_values(model: nn.Module, source: nn.Module, aliases: dict[int, str]) -> list[_Swap]:
+    """Real stand-ins for ``model``'s meta tensors, with the values of ``source``'s by name.
+
+    ``aliases`` maps a tensor (by id) to its name on entering the block, for tensors a primitive
+    moved (e.g. flattened into a traced graph). A tied tensor gets one stand-in for all holders.
+    """
+    full = dict(source.named_parameters(remove_duplicate=False))
+    full.update(source.named_buffers(remove_duplicate=False))
+    swaps: dict[int, _Swap] = {}
+    for mod_path, mod in model.named_modules(remove_duplicate=False):
+        for store in (mod._parameters, mod._buffers):
+            for attr, tensor in store.items():
+                if tensor is None or not tensor.is_meta or id(tensor) in swaps:
+                    continue
+                name = f"{mod_path}.{attr}" if mod_path else attr
+                value = _counterpart(tensor, aliases.get(id(tensor), name), full, mod_path, mod)
+                swaps[id(tensor)] = (tensor, _real_like(tensor, value))
+    return list(swaps.values())
+
+
+def _counterpart(
+    tensor: torch.Tensor, name: str, full: dict[str, torch.Tensor], mod_path: str, mod: nn.Module
+) -> torch.Tensor:
+    """The entry tensor named ``name``, or this rank's shard of it for a sharded ``tensor``."""
+    kind = "parameter" if isinstance(tensor, nn.Parameter) else "buffer"
+    where = f'{kind} "{name.rsplit(".", 1)[-1]}" of "{label(mod_path)}" ({type(mod).__name__})'
+    value = full.get(name)
+    if value is None:
+        why = f'the model as it was on entering the block has no tensor named "{name}"'
+    elif value.shape == tensor.shape:
+        return value
+    elif (spec := get_shard_spec(tensor)) is not None and tuple(value.shape) == spec.full_shape:
+        return spec.local_slice(value)
+    else:
+        why = (
+            f'"{name}" had shape {tuple(value.shape)} on entering the block, now '
+            f"{tuple(tensor.shape)} (and it is not a shard of it)"
+        )
+    raise MetaVerifyError(
+        f"Verify: the {where} is on the meta device and has no values to check with: {why}. "
+        "Verify gives a meta schedule the values of the materialized original by parameter "
+        "name; materialize the model before Verify (create it outside init_empty_weights), give "
+        "the replacement the same parameter names and shapes, or create the replacement with "
+        "real weights"
+    )
+
+
+def _real_like(meta: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A real copy of ``value`` that stands in for ``meta`` (type, dtype and attributes kept)."""
+    data = value.detach().to(dtype=meta.dtype).clone()
+    if isinstance(meta, nn.Parameter):
+        real: torch.Tensor = type(meta)(data, requires_grad=meta.requires_grad)
+    else:
+        real = data
+    real.__dict__.update(meta.__dict__)  # shard specs and annotate tags
+    return real
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, swaps: list[_Swap]) -> Iterator[None]:
+    """Hold the real stand-ins in place of ``model``'s meta tensors for the block, then put the
+    meta ones back.
+
+    ``torch.utils.swap_tensors`` would keep the Python objects, but refuses tensors that
+    torch.export's fake-tensor caches hold weak references to (every traced parameter), so the
+    holders' entries are replaced instead. A traced graph that may trace itself again for a new
+    input signature keeps its original module and a fingerprint of its parameters: the module
+    gets the stand-ins too, the fingerprint is taken again for the block (so this is not taken
+    for an edit), and graphs traced during the block (on the stand-ins) are dropped after it.
+    """
+    real = {id(meta): stand_in for meta, stand_in in swaps}
+    retracers = [r for m in model.modules() if (r := m.__dict__.get(_RETRACE_ATTR)) is not None]
+    holders = [*model.modules(), *(m for r in retracers for m in r.mod.modules())]
+    previous: list[tuple[dict[str, Any], str, Any]] = []
+    saved = [(r, r.before, list(r.exported), dict(r.by_absent)) for r in retracers]
+    seen: set[int] = set()
+    try:
+        for mod in holders:
+            for store in (mod._parameters, mod._buffers):
+                if id(store) in seen:
+                    continue
+                seen.add(id(store))
+                for attr, tensor in store.items():
+                    if tensor is not None and id(tensor) in real:
+                        previous.append((store, attr, tensor))
+                        store[attr] = real[id(tensor)]
+        for r in retracers:
+            r.before = fingerprint(r.gm)
+        yield
+    finally:
+        for store, attr, tensor in reversed(previous):
+            store[attr] = tensor
+        for r, before, exported, by_absent in saved:
+            r.before, r.exported[:] = before, exported
+            r.by_absent.clear()
+            r.by_absent.update(by_absent)
 
 
 def _matching_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

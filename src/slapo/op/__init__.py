@@ -14,6 +14,7 @@ from .attention import (
     register_transformers_attention,
 )
 from .cross_entropy import LinearCrossEntropy, linear_cross_entropy
+from .linear import FusedQKV
 from .mlp import MLP_ACTIVATIONS, BiasDropoutResidual, FusedBiasGELU, FusedMLP, bias_gelu
 from .print import Print
 
@@ -23,6 +24,7 @@ __all__ = [
     "FlashAttentionOp",
     "FusedBiasGELU",
     "FusedMLP",
+    "FusedQKV",
     "LinearCrossEntropy",
     "MLP_ACTIVATIONS",
     "Print",

@@ -183,6 +183,23 @@ def _batchnorm(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
         mod._buffers[buf] = local
 
 
+def _fused_qkv(mod: nn.Module, name: str, spec: ShardSpec, path: str) -> None:
+    # slapo.op.FusedQKV lays its rows out rank by rank: contiguous output-axis shards over the
+    # group it was laid out for are whole heads of q, k and v; anything else would mix them.
+    if spec.axis != 0:
+        _bad_axis(mod, name, spec, path, "shard the output rows (axis 0) of a FusedQKV")
+    if spec.fused != 1 or spec.padded != spec.full_shape[0] or spec.world != mod.world_size:
+        raise PrimitiveError(
+            f'shard on "{path}" (FusedQKV): its rows are laid out for {mod.world_size} rank(s) '
+            f"(world_size={mod.world_size}) but the shard is over {spec.world} rank(s)"
+            f"{' with fused/pad' if spec.fused != 1 or spec.padded != spec.full_shape[0] else ''}"
+            f"; build it with FusedQKV(..., world_size={spec.world}) (or from_linears(..., "
+            f"world_size={spec.world})) and shard with the default fused=1, pad=False"
+        )
+    if name == "weight":
+        _set_attrs(mod, out_features=_local(spec))
+
+
 def is_norm(mod: nn.Module) -> bool:
     """Whether ``mod`` is a norm layer (torch's, or a class named ...RMSNorm or ...LayerNorm)."""
     norm_types = (nn.LayerNorm, nn.RMSNorm)
@@ -193,6 +210,10 @@ def find_rule(mod: nn.Module) -> Rule | None:
     """The shard rule of ``mod``'s layer type, or None for a module without one."""
     if isinstance(mod, nn.Linear):
         return _linear
+    from ..op.linear import FusedQKV  # deferred: slapo.op imports much of slapo
+
+    if isinstance(mod, FusedQKV):
+        return _fused_qkv
     if isinstance(mod, nn.Embedding):
         return _embedding
     if isinstance(mod, nn.modules.conv._ConvNd) and not mod.transposed:
