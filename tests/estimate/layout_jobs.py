@@ -3,18 +3,16 @@ measures a real step of the same build target to check it.
 
 The measurement, independent of the planner: the rank's model state as its engine holds it after
 a real step (parameter, gradient and optimizer-state storages, engine buffers read from the
-engine), plus the most bytes *saved for backward alive at once*: every tensor autograd saves is
-counted when packed (one count per storage, parameters excluded) and uncounted when its storage
-is freed (``weakref.finalize``). The latter is what a pipeline schedule keeps in flight: GPipe
+engine), plus the most bytes *saved for backward alive at once* (``slapo.memory.LiveSaved``):
+every tensor autograd saves is counted when packed (one count per storage, parameters excluded)
+and uncounted when its storage is freed (``weakref.finalize``). The latter is what a pipeline schedule keeps in flight: GPipe
 holds every microbatch's saved tensors until its backwards run; 1F1B frees one before the next
 forward. A one-process step (``tests/estimate/measure.py``) counts them all at once instead.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +21,7 @@ import transformers
 from torch import nn
 
 import slapo
+from slapo.memory import LiveSaved
 
 VOCAB, SEQ, BATCH, LAYERS = 96, 64, 8, 4
 
@@ -59,41 +58,6 @@ def _state_bytes(opt: Any) -> int:
         v.untyped_storage().nbytes() for s in state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and not v.dim()
     )  # fmt: skip
-
-
-class LiveSaved:
-    """The most bytes saved for backward alive at once while it is entered (see the module doc).
-
-    ``skip()`` returns the data pointers not to count (parameters, gathered ones included);
-    ``sample()``, called at every pack and unpack, lets a caller track other bytes over time."""
-
-    def __init__(self, skip: Callable[[], set[int]], sample: Callable[[], None] = lambda: None):
-        self.skip, self.sample = skip, sample
-        self.alive: dict[int, int] = {}
-        self.now = self.peak = 0
-
-    def _freed(self, key: int) -> None:
-        self.now -= self.alive.pop(key, 0)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self.sample()
-        st = t.untyped_storage()
-        key = id(st)
-        if key not in self.alive and st.data_ptr() not in self.skip() and st.nbytes():
-            self.alive[key] = st.nbytes()
-            weakref.finalize(st, self._freed, key)
-            self.now += st.nbytes()
-            self.peak = max(self.peak, self.now)
-        return t
-
-    def _unpack(self, t: torch.Tensor) -> torch.Tensor:
-        self.sample()
-        return t
-
-    @contextlib.contextmanager
-    def counting(self) -> Iterator[LiveSaved]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self
 
 
 def _report(est: Any, measured: dict[str, int]) -> dict[str, Any]:
@@ -178,7 +142,7 @@ def _measure_data_parallel(target: str, model: Any, opt: Any, batch: Any) -> dic
 
     for _step in range(2):  # the second step: the optimizer state is there from its start
         live = LiveSaved(skip, sample)
-        with live.counting():
+        with live:
             slapo.train_step(model, batch)
         sample()
         engine: dict[str, int] = {}
@@ -239,20 +203,57 @@ def pipeline(rank: int, world: int) -> dict[str, Any]:
             loss_fn=causal_loss, example_inputs=(batch["input_ids"],),
             optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3},
         )  # fmt: skip
-        params = list(engine.parameters())
-        ptrs = {p.untyped_storage().data_ptr() for p in params}
-        for _ in range(2):
-            live = LiveSaved(lambda ptrs=ptrs: ptrs)
-            with live.counting():
-                engine.step(batch["input_ids"], target=batch["labels"])
-            grads = _storage_bytes(p.grad for p in params if p.grad is not None)
-            opt.step()
-            opt.zero_grad()
-        measured = {
-            "params": _storage_bytes(params), "buffers": 0,  # the engine exposes no buffers (GPT-2 has none)
-            "grads": grads, "optimizer_state": _state_bytes(opt), "activations": live.peak,
-        }  # fmt: skip
+        measured = _measure_pipeline(engine, opt, batch["input_ids"], batch["labels"])
         out[schedule] = _report(est, measured)
+    return out
+
+
+def _measure_pipeline(
+    engine: Any, opt: Any, inputs: torch.Tensor, labels: torch.Tensor
+) -> dict[str, int]:
+    """A stage's bytes in the second of two steps: one count over both steps, so that what the
+    first leaves alive (the first stage's shape-inference forward) counts in the second."""
+    params = list(engine.parameters())
+    live = LiveSaved(skip={p.untyped_storage().data_ptr() for p in params})
+    for _ in range(2):
+        live.reset_peak()
+        with live:
+            engine.step(inputs, target=labels)
+        grads = _storage_bytes(p.grad for p in params if p.grad is not None)
+        opt.step()
+        opt.zero_grad()
+    return {
+        "params": _storage_bytes(params), "buffers": 0,  # the engine exposes no buffers
+        "grads": grads, "optimizer_state": _state_bytes(opt), "activations": live.peak,
+    }  # fmt: skip
+
+
+# ----- a slapo train llama stage: the default model, its ready schedule --------------------------
+def llama_pipeline(rank: int, world: int) -> dict[str, Any]:
+    """Per ``ckpt_ratio`` (0, and the default selective checkpointing): this stage's estimate as
+    ``slapo train`` makes it (``estimate_config``) and the measurement of the stage that
+    ``slapo train --pp 2`` builds (its model, ready schedule, 1F1B over 2 microbatches)."""
+    from slapo.train import TrainConfig
+    from slapo.train.layout import Layout, schedule_for
+    from slapo.train.memory import estimate_config
+    from slapo.train.presets import build_model, causal_lm_loss
+
+    out = {}
+    ids = make_batch(seed=1)["input_ids"] % 256  # the bytes tokenizer's vocabulary
+    for ratio in (0.0, None):
+        cfg = TrainConfig(pp=world, batch_size=BATCH, seq_len=SEQ, ckpt_ratio=ratio)
+        est = estimate_config(cfg, rank=rank)
+        torch.manual_seed(0)
+        sch = schedule_for(cfg, build_model(cfg).train(), Layout(), scheduled=True)
+        engine, opt = slapo.build(
+            sch, target="pipeline", schedule=cfg.pipeline_schedule,
+            num_microbatches=cfg.num_microbatches, loss_fn=causal_lm_loss,
+            example_inputs=(ids,), optimizer=torch.optim.AdamW,
+            optimizer_kwargs={"lr": cfg.lr},
+        )  # fmt: skip
+        checkpointed = sum(r.name == "checkpoint" for r in sch.metadata.primitives)
+        report = _report(est, _measure_pipeline(engine, opt, ids, ids))
+        out["default" if ratio is None else "none"] = {**report, "checkpointed": checkpointed}
     return out
 
 

@@ -4,7 +4,9 @@
   (the eager target, or one tensor-parallel rank);
 * :mod:`~slapo.memory.targets`: :func:`estimate_layout`, what one rank of a ``dp x pp x tp``
   layout holds under ddp, fsdp, deepspeed (ZeRO 1-3), the pipeline (GPipe, 1F1B) or RoundPipe;
-* :mod:`~slapo.memory.units`: byte sizes as people write them (``"8GiB"``).
+* :mod:`~slapo.memory.units`: byte sizes as people write them (``"8GiB"``);
+* :mod:`~slapo.memory.measure`: :class:`LiveSaved`, what the estimate's activations are checked
+  against on a real run: the most bytes saved for backward alive at once.
 
 Nothing here allocates the model: fake tensors stand in for it. Fake tensors load on first use.
 
@@ -18,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from .estimate import EstimateError, MemoryEstimate, estimate_memory, fake_process_group
+from .measure import LiveSaved
 from .targets import (
     LAYOUT_TARGETS,
     PIPELINE_SCHEDULES,
@@ -33,6 +36,7 @@ __all__ = [
     "PIPELINE_SCHEDULES",
     "EstimateError",
     "LayoutSpec",
+    "LiveSaved",
     "MemoryEstimate",
     "MemorySizeError",
     "apply_layout",

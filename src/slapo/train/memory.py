@@ -22,9 +22,13 @@ class PeakMemory:
     For a model with its parameters on CUDA, the allocator's peak above what was allocated when
     the run began (its weights). Otherwise (where the process's resident size keeps what an
     earlier run freed) the model state (parameters, buffers, gradients, optimizer state) plus the
-    most bytes saved for backward in one step, counted with ``saved_tensors_hooks``; a
-    checkpointed block's inner tensors are recomputed in backward and so not counted. This is the
-    ``peak`` of :func:`slapo.estimate_memory` (see :func:`estimated_peak_mb`).
+    most bytes saved for backward alive at once (:class:`slapo.memory.LiveSaved`: counted when
+    autograd saves them, uncounted when freed); a checkpointed block's inner tensors are
+    recomputed in backward and so not counted. In one process that is every byte a step saves
+    (all of it is alive at the end of the forward); on a pipeline stage, the microbatches its
+    schedule keeps in flight (1F1B frees one's saved tensors as its backward runs). This is the
+    ``peak`` of :func:`slapo.estimate_memory` and :func:`slapo.estimate_layout` (see
+    :func:`estimated_peak_mb`).
 
     Counting runs a Python hook per saved tensor, which slows a step (an eager model, saving more
     tensors, more than a compiled one): with ``sample_steps=n`` only the first ``n`` steps are
@@ -43,52 +47,41 @@ class PeakMemory:
         self.sample_steps = sample_steps
         self._counted = 0
         self.peak_mb = self.activation_mb = 0.0
-        self._step_bytes = 0
-        self._seen: set[int] = set()
-        self._hooks: Any = None
+        self._live: Any = None
         # the device the model trains on: a CPU model on a machine with a GPU is still a CPU run
         self.cuda = torch.cuda.is_available() and any(
             _local(p).device.type == "cuda" for p in model.parameters()
         )
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        t = _local(t)
-        ptr = t.untyped_storage().data_ptr() if t.device.type != "meta" else 0
-        if ptr not in self._seen and ptr not in self._params:
-            self._seen.add(ptr)
-            self._step_bytes += t.untyped_storage().nbytes()
-        return t
-
     def next_step(self) -> None:
-        """Close one step: keep its saved bytes if they are the most so far."""
-        if self._hooks is None:
+        """Close one step: stop counting once ``sample_steps`` steps are counted."""
+        live = self._live
+        if live is None or not live.counting:
             return  # not counting: on CUDA, or past the sampled steps
-        self.activation_mb = max(self.activation_mb, self._step_bytes / 2**20)
-        self._step_bytes = 0
-        self._seen.clear()
+        self.activation_mb = live.peak / 2**20
         self._counted += 1
-        if self._hooks is not None and self._counted == self.sample_steps:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
+        if self._counted == self.sample_steps:
+            live.__exit__(None, None, None)
 
     def __enter__(self) -> PeakMemory:
+        from ..memory import LiveSaved
+
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated() / 2**20
             return self
-        self._params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
+        params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._live = LiveSaved(skip=params)
+        self._live.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.cuda:
             self.peak_mb = torch.cuda.max_memory_allocated() / 2**20 - self._base
             return
-        self.next_step()  # (which may stop the counting)
-        if self._hooks is not None:
-            self._hooks.__exit__(*exc)
-            self._hooks = None
+        if self._live is not None:
+            self.activation_mb = self._live.peak / 2**20
+            self._live.__exit__(*exc)
         state = sum(2 * _local(p).numel() * p.element_size() for p in self.model.parameters())
         # the pipeline engine exposes its stages' parameters but is no nn.Module
         buffers = self.model.buffers() if hasattr(self.model, "buffers") else ()
