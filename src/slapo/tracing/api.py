@@ -27,13 +27,14 @@ __all__ = ["TRACERS", "resolve_tracer", "trace", "trace_module"]
 
 
 # Tracer names: Slapo's own ("pytorch", "huggingface", "dynamo") beside torch's ("fx", "export").
-# None (the default) and "auto" choose by need; "huggingface" is fx-style too, and as transformers
-# layers take **kwargs (which fx cannot trace), it falls back to torch.export like "auto".
+# None (the default) and "auto" choose by need. "fx" is plain symbolic tracing, then the Hugging
+# Face-aware fx tracer (hf_fx.py: transformers blocks, no inputs needed) where plain fx fails;
+# "huggingface" ("hf") is that too, then torch.export where both fail.
 TRACERS: dict[str, str] = {
     "auto": "auto",
     "fx": "fx",
     "pytorch": "fx",
-    "huggingface": "auto",
+    "huggingface": "hf",
     "export": "export",
     "dynamo": "export",
 }
@@ -83,18 +84,22 @@ def trace_module(
             must be exportable) but keeps the original module object and call signature.
         flatten: inline traced submodules into one graph (leaves stay calls).
         tracer: None or ``"auto"`` (default: torch.export when ``example_inputs`` are given;
-            otherwise fx, which needs no inputs, then torch.export where fx fails, e.g. on
-            transformers layers), ``"fx"``/``"pytorch"`` (symbolic tracing),
-            ``"export"``/``"dynamo"`` (torch.export), ``"huggingface"`` (like ``"auto"``).
-        concrete_args: passed to fx symbolic tracing. With ``"huggingface"`` or ``"auto"``, fx
-            gets them and, where fx still fails, torch.export traces without them (it fixes
-            every non-tensor input to the captured value anyway).
+            otherwise fx, which needs no inputs, then torch.export on captured inputs where fx
+            fails, or the Hugging Face-aware fx tracer where no inputs are at hand),
+            ``"fx"``/``"pytorch"`` (symbolic tracing, then the Hugging Face-aware fx tracer of
+            :mod:`slapo.tracing.hf_fx`, which traces transformers blocks without inputs),
+            ``"huggingface"`` (both fx tracers, then torch.export), ``"export"``/``"dynamo"``
+            (torch.export).
+        concrete_args: passed to fx symbolic tracing; the Hugging Face-aware tracer fixes the
+            named arguments to them (a tensor there is an input traced with its shape) and
+            ``**kwargs`` entries too. Where fx fails, torch.export traces without them (it
+            fixes every non-tensor input to the captured value anyway).
         recursive: ``False`` keeps every direct child a leaf: only this module's own forward
             is traced (so ``flatten`` has nothing to inline). Slapo's option of that name.
         leaf_modules: Slapo's name for ``leaves``; the two lists are joined.
-        config: Slapo's Hugging Face tracer takes the model config to make dummy inputs; it is
-            accepted and ignored here, as fx needs no inputs and torch.export captures real
-            ones (``example_inputs``, the root's inputs or ``dummy_inputs``).
+        config: the model config: the Hugging Face-aware fx tracer sizes its synthesized
+            (meta) inputs from it (``hidden_size``, ``head_dim``); else from the module's own
+            ``config`` or first layer.
         path: the module's path, used in error messages and in the log.
         infer_inputs: called for example inputs when torch.export needs some and none were
             given (the schedule captures them from the root's); else ``mod.dummy_inputs``.
@@ -114,7 +119,6 @@ def trace_module(
         (True, ['0', '1', '2'])
     """
     mod = model  # the reference API names the argument ``model``: trace_module(model=...)
-    del config  # accepted for Slapo's signature; see the docstring
     method = resolve_tracer(tracer, example_inputs, path)
     if concrete_args is not None and method == "export":
         raise TraceError("concrete_args only applies to tracer='fx', 'huggingface' or 'auto'")
@@ -125,13 +129,16 @@ def trace_module(
     if not recursive:  # every direct child stays a call of the original module
         leaves = [*leaves, *(re.escape(name) for name, _ in mod.named_children())]
     gm, used = _trace_once(
-        mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs
+        mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs, config
     )
 
     def again(
         orig: nn.Module, method: str, inputs: Any, concrete: dict[str, Any] | None
     ) -> fx.GraphModule:
-        return _trace_once(orig, method, inputs, leaves, flatten, concrete, path, None)[0]
+        # fx again means plain fx (the retrace falls back to export on the call's inputs): the
+        # Hugging Face-aware tracer would synthesize inputs unlike the call's.
+        method = "plain-fx" if method == "fx" else method
+        return _trace_once(orig, method, inputs, leaves, flatten, concrete, path, None, config)[0]
 
     install_retrace(gm, mod, used, again, concrete_args, path)
     return gm
@@ -146,13 +153,15 @@ def _trace_once(
     concrete_args: dict[str, Any] | None,
     path: str,
     infer_inputs: Callable[[], Any] | None,
+    config: Any = None,
 ) -> tuple[fx.GraphModule, str]:
-    """One trace of ``mod`` (see :func:`trace_module`); returns the graph and the tracer used."""
+    """One trace of ``mod`` (see :func:`trace_module`); returns the graph and the tracer used
+    (``"fx"``, ``"hf"``: the Hugging Face-aware fx tracer, or ``"export"``)."""
     start = time.perf_counter()
     inline = [n for n, m in mod.named_modules() if getattr(m, "_slapo_inline_when_traced", False)]
     with _train_mode(mod):
         used, gm, fallback = _capture(
-            mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs
+            mod, method, example_inputs, leaves, flatten, concrete_args, path, infer_inputs, config
         )
         for sub in [m for m in gm.modules() if isinstance(m, fx.GraphModule)]:
             make_mode_aware(sub)
@@ -169,11 +178,14 @@ def _trace_once(
         'traced "%s" (%s) with %s in %.2f s%s',
         label(path),
         type(mod).__name__,
-        "torch.export" if used == "export" else "torch.fx",
+        _USED[used],
         time.perf_counter() - start,
         f" (fx could not: {_short(fallback)})" if fallback else "",
     )
     return gm, used
+
+
+_USED = {"fx": "torch.fx", "hf": "torch.fx (Hugging Face-aware)", "export": "torch.export"}
 
 
 def _capture(
@@ -185,28 +197,65 @@ def _capture(
     concrete_args: dict[str, Any] | None,
     path: str,
     infer_inputs: Callable[[], Any] | None,
+    config: Any = None,
 ) -> tuple[str, fx.GraphModule, str]:
-    """Trace with ``method``; returns the tracer used, the graph, and why fx failed (if so)."""
-    if method == "fx":
+    """Trace with ``method``; returns the tracer used, the graph, and why fx failed (if so).
+
+    ``"fx"``: plain fx, then the Hugging Face-aware fx tracer. ``"hf"``: both, then
+    torch.export. ``"auto"``: plain fx, then torch.export where inputs are at hand (given,
+    captured from the root's or ``dummy_inputs``), else the Hugging Face-aware fx tracer."""
+    if method == "export":
+        if example_inputs is None:
+            example_inputs = _find_inputs(mod, path, infer_inputs)
+        args, kwargs = call_args(example_inputs)
+        return "export", export_module(mod, args, kwargs, leaves, path), ""
+    if method == "plain-fx":
         return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""
-    fx_reason = ""
-    if method == "auto":
+    try:
+        return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""
+    except TraceError as exc:
+        fx_reason = _reason(exc)
+    reasons = {"fx": fx_reason}
+    if method in ("fx", "hf"):
         try:
-            return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""
+            return "hf", _hf_trace(mod, leaves, flatten, concrete_args, path, config), fx_reason
         except TraceError as exc:
-            fx_reason = _reason(exc)
+            reasons["Hugging Face-aware fx"] = _reason(exc)
+            if method == "fx":
+                raise
+    no_inputs = False
     try:
         if example_inputs is None:  # concrete_args are for fx only: export fixes non-tensors
-            example_inputs = _find_inputs(mod, path, infer_inputs)
+            try:
+                example_inputs = _find_inputs(mod, path, infer_inputs)
+            except TraceError:
+                no_inputs = True
+                raise
         args, kwargs = call_args(example_inputs)
         return "export", export_module(mod, args, kwargs, leaves, path), fx_reason
     except TraceError as exc:
-        if method == "export":
-            raise
-        raise TraceError(
-            f'cannot trace "{label(path)}" ({type(mod).__name__}) with fx nor with torch.export:'
-            f"\n  fx: {fx_reason}\n  torch.export: {_reason(exc)}"
-        ) from exc
+        reasons["torch.export"] = _reason(exc)
+    if method == "auto" and no_inputs:  # fx with synthesized meta inputs instead
+        try:
+            return "hf", _hf_trace(mod, leaves, flatten, concrete_args, path, config), fx_reason
+        except TraceError as exc:
+            reasons["Hugging Face-aware fx"] = _reason(exc)
+    shown = "".join(f"\n  {name}: {why}" for name, why in reasons.items())
+    raise TraceError(
+        f'cannot trace "{label(path)}" ({type(mod).__name__}) with fx nor with torch.export:'
+        + shown
+    )
+
+
+def _hf_trace(
+    mod: nn.Module,
+    leaves: Leaves,
+    flatten: bool,
+    concrete_args: dict[str, Any] | None,
+    path: str,
+    config: Any,
+) -> fx.GraphModule:
+    return fx_trace(mod, leaves, flatten, concrete_args, path, hf=True, config=config)
 
 
 def _find_inputs(mod: nn.Module, path: str, infer_inputs: Callable[[], Any] | None) -> Any:

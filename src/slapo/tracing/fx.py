@@ -1,5 +1,7 @@
 """The torch.fx path: symbolic tracing without inputs, leaves kept as calls, the hierarchy kept
-by tracing every non-leaf child into a ``GraphModule`` of its own."""
+by tracing every non-leaf child into a ``GraphModule`` of its own. With ``hf=True`` the
+Hugging Face-aware tracer of :mod:`slapo.tracing.hf_fx` traces (transformers blocks: ``**kwargs``,
+shapes unpacked and branched on, attention-interface calls kept)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ from typing import Any
 from torch import fx, nn
 
 from ..surgery import join_path, move_hooks
-from .errors import module_stack, raise_trace_error
+from .errors import TraceError, module_stack, raise_trace_error
+from .hf_fx import call_example, hf_trace
 from .leaves import Leaves, is_leaf
 
 __all__ = ["fx_trace"]
@@ -38,8 +41,16 @@ def fx_trace(
     flatten: bool,
     concrete_args: dict[str, Any] | None,
     path: str,
+    hf: bool = False,
+    config: Any = None,
+    example: tuple[tuple, dict[str, Any]] | None = None,
 ) -> fx.GraphModule:
     """Symbolically trace ``mod``: one graph if ``flatten``, else one per traceable child.
+
+    ``hf``: trace with :func:`~slapo.tracing.hf_fx.hf_trace` (``config`` sizes its synthesized
+    inputs, ``example`` gives the meta call to trace for); each child of the hierarchy is
+    traced by plain fx, and where that fails by the Hugging Face-aware tracer on the call
+    this graph makes of it.
 
     Example:
         >>> gm = fx_trace(nn.Sequential(nn.Sequential(nn.ReLU())), (), False, None, "")
@@ -49,11 +60,15 @@ def fx_trace(
     tracer = _LeafTracer(mod, leaves, children_are_leaves=not flatten)
     with module_stack(mod) as stack:
         try:
-            graph = tracer.trace(mod, concrete_args=concrete_args)
+            if hf:
+                gm = hf_trace(mod, tracer.is_leaf_module, concrete_args, config, example, path)
+            else:
+                graph = tracer.trace(mod, concrete_args=concrete_args)
         except Exception as exc:  # noqa: BLE001  (re-raised with the module named)
             raise_trace_error(path, mod, "fx", exc, stack[-1] if stack else "")
-    _keep_argument_names(graph, concrete_args)
-    gm = fx.GraphModule(mod, graph, class_name=type(mod).__name__)
+    if not hf:
+        _keep_argument_names(graph, concrete_args)
+        gm = fx.GraphModule(mod, graph, class_name=type(mod).__name__)
     if flatten:
         return gm
     # Keep the hierarchy: trace every child that is neither a leaf nor a torch.nn built-in.
@@ -67,7 +82,15 @@ def fx_trace(
         if fx.Tracer().is_leaf_module(child, name):
             continue
         inner = [_strip(leaf, name) for leaf in leaves]
-        traced = fx_trace(child, inner, False, None, join_path(path, name))
+        where = join_path(path, name)
+        try:
+            traced = fx_trace(child, inner, False, None, where)
+        except TraceError:
+            if not hf:
+                raise
+            # The call this graph makes of the child, as the Hugging Face-aware trace saw it.
+            call = call_example(gm, name)
+            traced = fx_trace(child, inner, False, None, where, True, config, call)
         # The call stays a call of this child: the hooks on it (sync's, the user's) keep firing.
         move_hooks(child, traced)
         setattr(gm, name, traced)
