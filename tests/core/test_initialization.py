@@ -144,3 +144,28 @@ def test_slapo_checkpoint_function_and_seed_helpers():
     torch.testing.assert_close(x.grad, g, rtol=0, atol=0)
     with pytest.raises(slapo.SlapoError, match="use_reentrant=False"):
         slapo.checkpoint(layer, x, use_reentrant=True, scale=2)
+
+
+def _meta_mlp() -> nn.Module:
+    with slapo.init_empty_weights():
+        return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4), nn.LayerNorm(4))
+
+
+def test_build_initializes_a_plain_module_that_torch_export_traced_on_meta():
+    """torch.export rebuilds the Linears as GraphModules (no reset_parameters): build
+    initializes them through the modules they were traced from, in the untraced order."""
+    x = torch.randn(2, 8)
+    sch = slapo.create_schedule(_meta_mlp(), example_inputs=[x.to("meta")])
+    sch.trace(tracer="export")
+    assert not isinstance(sch.mod.get_submodule("0"), nn.Linear)
+    torch.manual_seed(5)
+    built, _ = slapo.build(sch)
+    reference = _meta_mlp()
+    torch.manual_seed(5)
+    slapo.initialization.materialize_module(reference)
+    want = reference.state_dict()
+    got = built.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in got.items():
+        assert torch.equal(value, want[name]), name
+    torch.testing.assert_close(built(x), reference(x))

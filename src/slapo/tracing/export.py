@@ -4,6 +4,7 @@ into a hierarchy of ``GraphModule``s named after the original classes."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 import re
@@ -25,7 +26,45 @@ from .keep import keep_state
 from .leaves import Leaves, is_leaf
 from .verify import _hooked, _same_on, pin_unsound_dims
 
-__all__ = ["export_module", "is_cache"]
+__all__ = ["ORIGIN", "export_module", "is_cache", "original_of"]
+
+ORIGIN = "_slapo_origin"  # a rebuilt GraphModule's attribute: the module it was traced from
+
+
+class _Origin:
+    """Holds the module a rebuilt ``GraphModule`` was traced from, set only where that module
+    had meta tensors: materializing initializes the rebuilt module through it (an init
+    function dispatches on the original class, ``nn.Linear``, which a GraphModule is not).
+
+    Not a module attribute (no state_dict keys, no child); a deep copy copies the original (its
+    tensors with the graph's, through the memo); pickling drops it (as it drops the retracer).
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module | None) -> None:
+        self.module = module
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Origin:
+        return _Origin(copy.deepcopy(self.module, memo))
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return _Origin, (None,)
+
+    def __repr__(self) -> str:
+        return f"_Origin({type(self.module).__name__})"
+
+
+def original_of(module: nn.Module) -> nn.Module | None:
+    """The module that ``module`` (a GraphModule torch.export rebuilt on meta) was traced
+    from, or None.
+
+    Example:
+        >>> original_of(nn.Linear(2, 2)) is None
+        True
+    """
+    held = module.__dict__.get(ORIGIN)
+    return held.module if isinstance(held, _Origin) else None
 
 
 def is_cache(value: Any) -> bool:
@@ -294,7 +333,14 @@ def _to_graph_modules(interp: nn.Module, orig: nn.Module | None) -> nn.Module:
         if node.name == "self":  # a submodule named "self" (BERT) would shadow the method's self
             node._rename("self_out")
     name = type(orig).__name__ if orig is not None else "GraphModule"
-    return fx.GraphModule(interp, interp.graph, class_name=name)
+    gm = fx.GraphModule(interp, interp.graph, class_name=name)
+    if orig is not None and _has_meta(orig):  # real ones need no init: keep nothing alive
+        gm.__dict__[ORIGIN] = _Origin(orig)
+    return gm
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
 
 
 def _cache_arg_names(gm: fx.GraphModule, args: tuple, kwargs: dict[str, Any]) -> set[str]:

@@ -152,6 +152,29 @@ class Retracer:
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         return None  # a copy of the graph module keeps its graph and guard only
 
+    def rebind(self, new_of: dict[int, torch.Tensor]) -> None:
+        """Follow a materialization: ``new_of`` maps ``id`` of each meta tensor to the tensor
+        that replaced it (same shape). The original module and the graphs traced again hold the
+        new tensors, and the fingerprint takes them as the traced ones: giving storage to a meta
+        parameter is no edit (a parameter replaced otherwise still is).
+
+        Example:
+            >>> # called by slapo.initialization.materialize_module
+        """
+        for holder in [self.mod, *(g for g, _ in self.exported), *self.by_absent.values()]:
+            for module in holder.modules():
+                for store in (module._parameters, module._buffers):
+                    for name, t in list(store.items()):
+                        new = new_of.get(id(t)) if t is not None else None
+                        if new is not None and new.shape == t.shape:
+                            store[name] = new  # type: ignore[assignment]
+        mods, state = self.before
+        renamed = []
+        for name, key, shape in state:
+            new = new_of.get(key)
+            renamed.append((name, id(new), shape) if new is not None else (name, key, shape))
+        self.before = (mods, tuple(renamed))
+
     def _absent(self, args: tuple, kwargs: dict[str, Any]) -> frozenset[str]:
         try:
             bound = self.signature.bind(*args, **kwargs)  # type: ignore[union-attr]
