@@ -21,7 +21,7 @@ from ..exceptions import TargetError
 from .carry import carry_skipped_values
 from .tp_trace import opaque_collectives
 
-__all__ = ["Partition", "partition_model"]
+__all__ = ["Partition", "partition_model", "stage_metas"]
 
 
 @dataclass
@@ -90,6 +90,42 @@ def partition_model(
     for stage in stages:
         _prune(stage)
     return Partition(stages, _in_run_order(cuts, calls.order))
+
+
+def stage_metas(
+    stages: Sequence[nn.Module], args: tuple[torch.Tensor, ...]
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] | None:
+    """Each stage's inputs and outputs as meta tensors, from a run of the chain on fake tensors.
+
+    ``PipelineStage`` takes them as ``input_args``/``output_args`` and then skips its run-time
+    shape inference: a real forward on the first step whose graph, on the first stage (no
+    backward runs through token ids), kept about a microbatch of activations alive for the
+    whole run. Autograd is on, so ``requires_grad`` is what the real run gives each value
+    (outputs that depend on no parameter, e.g. rotary tables, need no gradient).
+
+    Returns None where the stages cannot run on fake tensors (e.g. collectives without a fake
+    kernel): the stages then infer the shapes at run time, as before.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode  # deferred: only pipelines need it
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return out.requires_grad_(t.requires_grad)
+
+    metas = []
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, torch.enable_grad():
+            values = tuple(mode.from_tensor(a) for a in args)
+            for stage in stages:
+                out = stage(*values)
+                out = out if isinstance(out, tuple) else (out,)
+                if not all(isinstance(o, torch.Tensor) for o in out):
+                    return None
+                metas.append((tuple(map(meta, values)), tuple(map(meta, out))))
+                values = out
+    except Exception:  # noqa: BLE001  (any failure: fall back to run-time inference)
+        return None
+    return metas
 
 
 @contextlib.contextmanager

@@ -12,9 +12,10 @@ between stages at run time); ``example_inputs=`` builds them at build time inste
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,7 +27,9 @@ from ..exceptions import TargetError
 from ..logger import get_logger
 from ..pipeline import TiedGradSync, find_tie_groups, format_table, partition_model, stage_table
 from ..pipeline.failure import FailTogether
+from ..pipeline.partition import stage_metas
 from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm
+from ..pipeline.stage_checkpoint import checkpoint_stages, checkpointed_modules
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import (
     OptimizerSpec,
@@ -74,6 +77,10 @@ class _Plan:
     data_parallel: str = "ddp"
     grad_scaler: Any = None  # scales each microbatch's loss (the step reports it unscaled)
     tp_group: dist.ProcessGroup | None = None  # the mesh's "tp" dimension (None: none)
+    # the schedule's whole-module checkpoints by path (policy, None: full), re-applied in the
+    # stages, and the paths checkpointed only in a traced subgraph (run unprotected)
+    checkpoints: dict[str, Any] = field(default_factory=dict)
+    subgraph_checkpoints: list[str] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -150,6 +157,17 @@ class PipelineEngine:
         inputs = _batch_tensors(inputs, origin)
         mb_args = _first_microbatch(inputs, p.num_microbatches, origin)
         part = partition_model(p.model, p.cuts, mb_args, p.forward_kwargs, grad=p.grad)
+        # Shapes known now: the stages skip torch's run-time inference (whose first-step
+        # forward stage 0 kept alive). Taken before the checkpoints go in: nothing to save.
+        metas = stage_metas(part.stages, mb_args)
+        unprotected = checkpoint_stages(part.stages, p.checkpoints) + p.subgraph_checkpoints
+        if unprotected and dist.get_rank() == 0:
+            get_logger().warning(
+                "pipeline: the stages run %s without activation checkpointing (the trace "
+                "inlined them, or only a traced subgraph of them is checkpointed); they save "
+                "all their activations for backward",
+                ", ".join(f'"{u}"' for u in unprotected),
+            )
         local = {
             s: part.stages[s].to(p.device)
             for s in range(p.num_stages)
@@ -159,7 +177,15 @@ class PipelineEngine:
         if self.data_parallel == "fsdp":
             _shard_stages(local, p.dp_mesh)
         stages = [
-            PipelineStage(mod, s, p.num_stages, p.device, group=p.pp_group)
+            PipelineStage(
+                mod,
+                s,
+                p.num_stages,
+                p.device,
+                input_args=metas[s][0] if metas else None,
+                output_args=metas[s][1] if metas else None,
+                group=p.pp_group,
+            )
             for s, mod in local.items()
         ]
         try:
@@ -216,7 +242,8 @@ class PipelineEngine:
         with self._fail, FreshGrads(params):
             args = inputs if self.is_first else ()
             kwargs = {"target": target, "losses": losses} if self.is_last else {}
-            self.schedule.step(*args, **kwargs)
+            with _stage_error_unwrapped():
+                self.schedule.step(*args, **kwargs)
             assert self._ties is not None  # set with the schedule
             self._ties()
             if self._average is not None:
@@ -361,6 +388,23 @@ class PipelineEngine:
 _EXAMPLE = "example_inputs="
 
 
+@contextlib.contextmanager
+def _stage_error_unwrapped() -> Iterator[None]:
+    """Raise a stage's own error rather than torch's wrapper around it.
+
+    torch wraps an error in a stage's forward in a RuntimeError listing the arguments'
+    shapes (``[Stage 1] failed to run forward: ...``); the failure report names the cause.
+    With the shapes given at build, the first step's forward is such a run too.
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        cause = exc.__cause__
+        if "failed to run forward" in str(exc) and isinstance(cause, Exception):
+            raise cause from exc
+        raise
+
+
 def _narrow_optimizer(
     opt: torch.optim.Optimizer, model: nn.Module, local: dict[int, nn.Module]
 ) -> None:
@@ -487,6 +531,7 @@ def build_pipeline(
     inputs = example_inputs if example_inputs is not None else sch.extra.get("example_inputs")
     model = sch.mod
     pp_group, pp_groups = _pp_groups(group)
+    checkpoints, subgraph_checkpoints = checkpointed_modules(sch)
     loss_fn = _scaled_loss(loss_fn, grad_scaler)
     if data_parallel not in DATA_PARALLEL:
         raise TargetError(
@@ -520,6 +565,8 @@ def build_pipeline(
         data_parallel=data_parallel,
         grad_scaler=grad_scaler,
         tp_group=_mesh_group(group, "tp"),
+        checkpoints=checkpoints,
+        subgraph_checkpoints=subgraph_checkpoints,
     )
     engine = PipelineEngine(plan, FailTogether(_stages_of_rank(pp_groups, stage_to_rank), timeout))
     if inputs is None:
