@@ -2,17 +2,17 @@
 measures a real step of the same build target to check it.
 
 The measurement, independent of the planner: the rank's model state as its engine holds it after
-a real step (parameter, gradient and optimizer-state storages, engine buffers read from the
-engine), plus the most bytes *saved for backward alive at once* (``slapo.memory.LiveSaved``):
-every tensor autograd saves is counted when packed (one count per storage, parameters excluded)
-and uncounted when its storage is freed (``weakref.finalize``). The latter is what a pipeline schedule keeps in flight: GPipe
-holds every microbatch's saved tensors until its backwards run; 1F1B frees one before the next
-forward. A one-process step (``tests/estimate/measure.py``) counts them all at once instead.
+a real step (parameter, gradient and optimizer-state storages), the engine's own buffers read
+from the engine (``slapo.memory.EngineBytes``: DDP's buckets, FSDP2's gathered parameters,
+DeepSpeed's fp32 partition), plus the most bytes *saved for backward alive at once*
+(``slapo.memory.LiveSaved``): every tensor autograd saves is counted when packed (one count per
+storage, parameters excluded) and uncounted when its storage is freed (``weakref.finalize``).
+The latter is what a pipeline schedule keeps in flight: GPipe holds every microbatch's saved
+tensors until its backwards run; 1F1B frees one before the next forward. A one-process step (``tests/estimate/measure.py``) counts them all at once instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 import slapo
-from slapo.memory import LiveSaved
+from slapo.memory import EngineBytes, LiveSaved
 
 VOCAB, SEQ, BATCH, LAYERS = 96, 64, 8, 4
 
@@ -94,58 +94,18 @@ def data_parallel(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _fsdp_gathered(model: nn.Module) -> Callable[[], tuple[int, set[int]]]:
-    """Bytes and data pointers of the parameters FSDP2 holds unsharded right now."""
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_params, groups = [], []
-    for mod in model.modules():
-        if isinstance(mod, FSDPModule):
-            group = mod._get_fsdp_state()._fsdp_param_group
-            groups += [group] if group is not None else []
-            fsdp_params += list(group.fsdp_params) if group is not None else []
-
-    def now() -> tuple[int, set[int]]:
-        seen: dict[int, int] = {}
-        # a block's flat all-gather buffer (a prefetch waiting, or a copy-out not yet freed)
-        results = [g._all_gather_result for g in groups]
-        results += [getattr(g.comm_ctx.all_gather_state, "all_gather_result", None) for g in groups]
-        for result in results:
-            if result is not None and result.all_gather_output.untyped_storage().nbytes():
-                st = result.all_gather_output.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        for fp in fsdp_params:
-            for t in getattr(fp, "all_gather_outputs", None) or []:
-                st = t.untyped_storage()
-                if st.nbytes():
-                    seen[st.data_ptr()] = st.nbytes()
-            unsharded = getattr(fp, "_unsharded_param", None)
-            if unsharded is not None and unsharded.untyped_storage().nbytes():
-                st = unsharded.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-        return sum(seen.values()), set(seen)
-
-    return now
-
-
 def _measure_data_parallel(target: str, model: Any, opt: Any, batch: Any) -> dict[str, int]:
-    gathered_peak = [0]
-    gathered = _fsdp_gathered(model) if target == "fsdp" else None
+    engine = EngineBytes(model)  # the engine's buffers, read from it
+    params = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
 
-    def sample() -> None:
-        if gathered is not None:
-            gathered_peak[0] = max(gathered_peak[0], gathered()[0])
-
-    def skip() -> set[int]:
-        ptrs = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
-        return ptrs | (gathered()[1] if gathered is not None else set())
+    def skip() -> set[int]:  # the parameters, held or gathered, are not saved tensors
+        return params | engine.skip()
 
     for _step in range(2):  # the second step: the optimizer state is there from its start
-        live = LiveSaved(skip, sample)
+        live = LiveSaved(skip, engine.sample)
         with live:
             slapo.train_step(model, batch)
-        sample()
-        engine: dict[str, int] = {}
+        engine.sample()
         if target == "deepspeed":
             zero = opt.optimizer if hasattr(opt, "optimizer") else opt
             zero = getattr(model, "optimizer", zero)
@@ -153,21 +113,16 @@ def _measure_data_parallel(target: str, model: Any, opt: Any, batch: Any) -> dic
                 [zero.grads_in_partition] if getattr(zero, "grads_in_partition", None) is not None
                 else [g for g in zero.averaged_gradients.values() for g in g]
             )  # fmt: skip
-            engine["fp32_partition"] = _storage_bytes(zero.single_partition_of_fp32_groups)
-            params = _storage_bytes(zero.bit16_groups_flat)
+            held = _storage_bytes(zero.bit16_groups_flat)
         else:
             grads = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-            params = _storage_bytes(model.parameters())
-        if target == "ddp":
-            buckets = model.reducer._get_zeros_like_grad_buckets()
-            engine["buckets"] = sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)
-        if target == "fsdp":
-            engine["gathered"] = gathered_peak[0]
+            held = _storage_bytes(model.parameters())
+        parts = engine.parts()
         opt.step()
         opt.zero_grad()
     return {
-        "params": params, "buffers": _storage_bytes(model.buffers()), "grads": grads,
-        "optimizer_state": _state_bytes(opt), "activations": live.peak, **engine,
+        "params": held, "buffers": _storage_bytes(model.buffers()), "grads": grads,
+        "optimizer_state": _state_bytes(opt), "activations": live.peak, **parts,
     }  # fmt: skip
 
 

@@ -76,3 +76,36 @@ def test_layout_flags_estimate_one_rank(capsys):
     assert (first["target"], first["stage"], last["stage"]) == ("fsdp", 0, 1)
     assert first["layout"] == {"dp": 2, "pp": 2, "tp": 1} and first["peak"] == again["peak"]
     assert first["engine_parts"]["fsdp gathered parameters"] > 0 and first["peak"] != last["peak"]
+
+
+def test_pipeline_replicas_hold_no_ddp_buckets():
+    """The pipeline's DDP-style replicas all-reduce through a temporary buffer: no ``engine``
+    bytes, a transient of at most one bucket in ``live_peak``; FSDP2 replicas hold the stage
+    gathered, and the flat all-gather output it came from."""
+    from slapo.memory.targets import PIPELINE_REPLICA_BUCKET_BYTES
+    from slapo.pipeline.replicas import BUCKET_BYTES
+    from slapo.train import TrainConfig
+    from slapo.train.memory import estimate_config
+
+    assert PIPELINE_REPLICA_BUCKET_BYTES == BUCKET_BYTES
+    cfg = {"model": "gpt2", "batch_size": 4, "seq_len": 32, "pp": 2, "num_microbatches": 2}
+    alone = estimate_config(TrainConfig(**cfg), rank=0)
+    ddp = estimate_config(TrainConfig(**cfg), rank=0, dp=2)
+    assert (ddp.target, alone.target) == ("ddp", "pipeline")
+    assert ddp.engine == 0 and ddp.engine_parts == {} and ddp.peak == alone.peak
+    held = ddp.params + ddp.buffers + ddp.grads + ddp.optimizer_state
+    assert ddp.live_peak >= held + min(ddp.grads, BUCKET_BYTES)
+    fsdp = estimate_config(TrainConfig(target="fsdp", **cfg), rank=0, dp=2)
+    gathered = fsdp.engine_parts["fsdp gathered parameters"]
+    # the unsharded stage and the all-gather's flat output
+    assert gathered == 4 * fsdp.params and 2 * alone.params <= gathered < 2.02 * alone.params
+
+
+def test_engine_bytes_of_a_plain_module_are_none():
+    from torch import nn
+
+    from slapo.memory import EngineBytes
+
+    engine = EngineBytes(nn.Linear(4, 4))
+    engine.sample()
+    assert engine.kind is None and engine.parts() == {} and engine.skip() == set()

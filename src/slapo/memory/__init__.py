@@ -5,8 +5,9 @@
 * :mod:`~slapo.memory.targets`: :func:`estimate_layout`, what one rank of a ``dp x pp x tp``
   layout holds under ddp, fsdp, deepspeed (ZeRO 1-3), the pipeline (GPipe, 1F1B) or RoundPipe;
 * :mod:`~slapo.memory.units`: byte sizes as people write them (``"8GiB"``);
-* :mod:`~slapo.memory.measure`: :class:`LiveSaved`, what the estimate's activations are checked
-  against on a real run: the most bytes saved for backward alive at once.
+* :mod:`~slapo.memory.measure`: what the estimate is checked against on a real run:
+  :class:`LiveSaved`, the most bytes saved for backward alive at once (the activations), and
+  :class:`EngineBytes`, a data-parallel engine's own buffers (the ``engine`` bytes).
 
 Nothing here allocates the model: fake tensors stand in for it. Fake tensors load on first use.
 
@@ -20,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from .estimate import EstimateError, MemoryEstimate, estimate_memory, fake_process_group
-from .measure import LiveSaved
+from .measure import EngineBytes, LiveSaved
 from .targets import (
     LAYOUT_TARGETS,
     PIPELINE_SCHEDULES,
@@ -34,6 +35,7 @@ from .units import MemorySizeError, format_bytes, memory_size_arg, parse_bytes
 __all__ = [
     "LAYOUT_TARGETS",
     "PIPELINE_SCHEDULES",
+    "EngineBytes",
     "EstimateError",
     "LayoutSpec",
     "LiveSaved",

@@ -20,17 +20,23 @@ Example:
     ...     model(**batch).loss.backward()
     >>> live.peak > 0          # bytes
     True
+
+:class:`EngineBytes` measures what a data-parallel engine holds besides the parameters,
+gradients and optimizer state, read from the engine itself: DDP's gradient buckets, the
+parameters FSDP2 holds gathered at once, DeepSpeed's fp32 partition. That is the estimate's
+``engine``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["LiveSaved"]
+__all__ = ["EngineBytes", "LiveSaved"]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -123,3 +129,130 @@ class LiveSaved:
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
             hooks.__exit__(*exc)
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """The bytes of each distinct storage behind ``tensors`` (DTensors: this rank's part), by
+    data pointer; empty (freed) storages left out."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        st = _local(t).untyped_storage()
+        if st.nbytes():
+            seen[st.data_ptr()] = st.nbytes()
+    return seen
+
+
+def _modules(model: Any) -> list[nn.Module]:
+    """Every module of ``model``: an ``nn.Module``, or the pipeline engine's stage modules."""
+    if isinstance(model, nn.Module):
+        return list(model.modules())
+    stages = getattr(model, "stage_modules", None) or {}
+    return [m for stage in stages.values() for m in stage.modules()]
+
+
+class EngineBytes:
+    """What a data-parallel engine holds besides the parameters, gradients and optimizer state,
+    read from the engine: the ``engine`` bytes of :func:`slapo.estimate_layout`.
+
+    * DDP (``model.reducer``): its gradient buckets (``buckets``), held for the whole run;
+    * FSDP2 (``fully_shard`` modules in ``model``, or in a pipeline engine's stages): the most
+      bytes of parameters held gathered at once (``gathered``), sampled by :meth:`sample` (pass
+      it to :class:`LiveSaved` to sample at every saved tensor); :meth:`skip` names their
+      storages, which a :class:`LiveSaved` must not count as saved for backward;
+    * DeepSpeed ZeRO (``model.optimizer`` with fp32 partitions): its fp32 master copy of this
+      rank's partition (``fp32_partition``).
+
+    Any other model (an eager module, the pipeline engine with DDP-style replicas, whose
+    gradient all-reduce keeps no buffer between steps) holds none: :meth:`parts` is empty.
+
+    Example:
+        >>> engine = EngineBytes(ddp_model)
+        >>> live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)
+        >>> with live:
+        ...     slapo.train_step(ddp_model, batch)
+        >>> engine.parts()
+        {'buckets': 1612800}
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.gathered_peak = 0
+        self._ptrs: set[int] = set()
+        self._fsdp: tuple[list[Any], list[Any]] | None = None
+
+    @property
+    def kind(self) -> str | None:
+        """``"ddp"``, ``"fsdp"``, ``"deepspeed"``, or None (no engine buffers)."""
+        if self._zero() is not None:
+            return "deepspeed"
+        if getattr(self.model, "reducer", None) is not None:
+            return "ddp"
+        return "fsdp" if self._fsdp_groups()[0] else None
+
+    def _zero(self) -> Any:
+        zero = getattr(self.model, "optimizer", None)
+        return zero if hasattr(zero, "single_partition_of_fp32_groups") else None
+
+    def _fsdp_groups(self) -> tuple[list[Any], list[Any]]:
+        """FSDP2's parameter groups and their parameters (found once the modules exist)."""
+        if self._fsdp is not None:
+            return self._fsdp
+        try:  # deferred: loads torch.distributed.tensor
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # pragma: no cover - a torch without FSDP2
+            return [], []
+        groups = []
+        for mod in _modules(self.model):
+            if isinstance(mod, FSDPModule):
+                group = mod._get_fsdp_state()._fsdp_param_group
+                groups += [group] if group is not None else []
+        params = [fp for g in groups for fp in g.fsdp_params]
+        if groups:
+            self._fsdp = (groups, params)
+        return groups, params
+
+    def gathered(self) -> tuple[int, set[int]]:
+        """Bytes and data pointers of the parameters FSDP2 holds gathered right now: a unit's
+        flat all-gather buffer (a prefetch waiting, or a copy-out not yet freed) and the
+        unsharded parameters."""
+        groups, params = self._fsdp_groups()
+        if not groups:
+            return 0, set()
+        tensors = []
+        for g in groups:
+            for result in (
+                g._all_gather_result,
+                getattr(g.comm_ctx.all_gather_state, "all_gather_result", None),
+            ):
+                if result is not None:
+                    tensors.append(result.all_gather_output)
+        for fp in params:
+            tensors += list(getattr(fp, "all_gather_outputs", None) or [])
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                tensors.append(unsharded)
+        seen = _storages(tensors)
+        return sum(seen.values()), set(seen)
+
+    def sample(self) -> None:
+        """Read the gathered parameters now: their bytes count toward :attr:`gathered_peak`,
+        their storages are what :meth:`skip` returns until the next sample."""
+        nbytes, self._ptrs = self.gathered()
+        self.gathered_peak = max(self.gathered_peak, nbytes)
+
+    def skip(self) -> set[int]:
+        """The data pointers of the gathered parameters at the last :meth:`sample`."""
+        return self._ptrs
+
+    def parts(self) -> dict[str, int]:
+        """The engine's bytes by name, read now (``gathered``: the most sampled so far)."""
+        zero = self._zero()
+        if zero is not None:
+            return {"fp32_partition": sum(_storages(zero.single_partition_of_fp32_groups).values())}
+        reducer = getattr(self.model, "reducer", None)
+        if reducer is not None:
+            buckets = reducer._get_zeros_like_grad_buckets()
+            return {"buckets": sum(b.buffer().numel() * b.buffer().element_size() for b in buckets)}
+        if self._fsdp_groups()[0]:
+            return {"gathered": self.gathered_peak}
+        return {}

@@ -10,21 +10,27 @@ target         what one rank holds
 =============  ====================================================================================
 eager          the step as estimated
 ddp            the same, plus DDP's gradient buckets (with ``gradient_as_bucket_view=False``, the
-               default, a copy of every gradient: ``engine`` bytes)
+               default, a copy of every gradient: ``engine`` bytes). With ``pp`` > 1, the
+               pipeline's DDP-style replicas (``slapo.pipeline.ReplicaGradAverage``) keep no
+               buckets: after the schedule they all-reduce at most
+               :data:`PIPELINE_REPLICA_BUCKET_BYTES` of gradients at once through a temporary
+               buffer, a transient counted in ``live_peak`` only
 fsdp           parameters, gradients and optimizer state sharded ``1/dp`` (FSDP2 pads each
                parameter's first dimension to a multiple of ``dp``), plus the parameters gathered
                at once (``engine``): the root's (kept unsharded from forward to backward) and two
-               blocks' (the one running and the one prefetched in backward)
+               blocks' (the one running and the one prefetched in backward). With ``pp`` > 1
+               each stage is one FSDP2 unit that stays gathered from its first forward to its
+               last backward (``reshard_after_forward=False``): the stage's parameters, twice
+               (FSDP2 keeps the flat all-gather output they were copied from until its next
+               all-gather, the next step's)
 deepspeed      ZeRO-1: optimizer state ``1/dp``; ZeRO-2: gradients too; ZeRO-3: parameters too.
                DeepSpeed keeps an fp32 master copy of the rank's partition (``engine``)
 pipeline       the stage's parameters, gradients and optimizer state (a tied weight on two stages
                is held by both), and the activations of the microbatches in flight: GPipe keeps
                all ``num_microbatches``; 1F1B at most ``pp - stage`` (the first stage the most).
-               The first stage keeps one microbatch more for the whole run
-               (:data:`FIRST_STAGE_HELD_MICROBATCHES`). A stage runs as
-               ``slapo.pipeline.partition_model`` traced it, without checkpointing (a
-               checkpointed block keeps all its activations there), and is estimated that way
-               (:data:`PIPELINE_STAGES_CHECKPOINT`)
+               A stage keeps the schedule's checkpoints (``slapo.pipeline.stage_checkpoint``
+               re-applies them in the traced stage; :data:`PIPELINE_STAGES_CHECKPOINT`), and
+               holds nothing between steps (:data:`FIRST_STAGE_HELD_MICROBATCHES`)
 roundpipe      everything on the host, as eager; ``device_resident``: the bytes a device holds at
                once: one stage's parameters, buffers and gradients, plus the next stage's where
                uploads are prefetched (CUDA, or a modelled link on CPU)
@@ -73,14 +79,16 @@ LAYOUT_TARGETS = ("eager", "ddp", "fsdp", "deepspeed", "pipeline", "roundpipe")
 #: The pipeline schedules modelled, as ``torch.distributed.pipelining`` names them.
 PIPELINE_SCHEDULES = ("GPipe", "1F1B")
 _DP_ENGINES = ("ddp", "fsdp", "deepspeed")
+#: The most gradient bytes the pipeline's DDP-style replicas flatten into one temporary buffer
+#: to all-reduce (``slapo.pipeline.replicas.BUCKET_BYTES``, DDP's default bucket size).
+PIPELINE_REPLICA_BUCKET_BYTES = 25 * 2**20
 #: Microbatches whose saved tensors the first stage of a pipeline keeps besides those in flight,
-#: for the whole run: torch's pipelining infers the stages' shapes with one real forward on the
-#: first step, and on a first stage (inputs that need no gradient) no backward ever frees that
-#: forward's graph (measured: 0.7 to 1 microbatch of saved bytes, llama and GPT-2, torch 2.13).
-FIRST_STAGE_HELD_MICROBATCHES = 1
-#: Whether a pipeline stage checkpoints what the schedule checkpoints: no, the stage module is
-#: traced (``slapo.pipeline.partition_model``) with the checkpoints run plainly.
-PIPELINE_STAGES_CHECKPOINT = False
+#: for the whole run: none since the stages get their shapes at build
+#: (``slapo.pipeline.partition.stage_metas``); torch's run-time shape inference kept about one.
+FIRST_STAGE_HELD_MICROBATCHES = 0
+#: Whether a pipeline stage checkpoints what the schedule checkpoints: yes, the build re-applies
+#: each whole-module checkpoint inside the stages (``slapo.pipeline.stage_checkpoint``).
+PIPELINE_STAGES_CHECKPOINT = True
 
 
 @dataclass(frozen=True)
@@ -89,12 +97,15 @@ class LayoutSpec:
     the mesh's sizes and this rank on it, and the knobs that change its memory.
 
     Attributes:
-        target: one of :data:`LAYOUT_TARGETS`.
+        target: one of :data:`LAYOUT_TARGETS`; with ``pp`` > 1, ``ddp`` or ``fsdp`` says how
+            the pipeline's replicas share gradients (``slapo.build(..., target="pipeline",
+            data_parallel=...)``), ``pipeline`` that there are none.
         dp, pp, tp: the mesh's sizes; ``pp`` > 1 cuts the model at its ``cut_pipeline_stage``s.
         rank: this process's global rank on the ``("dp", "pp", "tp")`` mesh.
         num_microbatches, pipeline_schedule: the pipeline's (with ``pp`` > 1).
         zero_stage: DeepSpeed's ZeRO stage (0 to 3).
-        reshard_after_forward: FSDP2's (False: every block stays gathered from forward on).
+        reshard_after_forward: FSDP2's (False: every block stays gathered from forward on);
+            with ``pp`` > 1 each stage is one unit that stays gathered (the pipeline's build).
         devices, prefetch: RoundPipe's devices and whether it prefetches uploads.
 
     Example:
@@ -309,8 +320,22 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         )
 
     target = spec.target
-    if target == "ddp" and spec.dp > 1:
+    transient = 0  # bytes a step allocates after its schedule ran (its activations freed)
+    if target == "ddp" and spec.dp > 1 and spec.pp > 1:
+        # the pipeline's replicas: no buckets kept, a flat buffer per all-reduce
+        transient = min(grads, PIPELINE_REPLICA_BUCKET_BYTES)
+    elif target == "ddp" and spec.dp > 1:
         parts["ddp gradient buckets"] = grads
+    elif target == "fsdp" and spec.dp > 1 and spec.pp > 1:
+        # each stage one FSDP2 unit, gathered from its first forward to its last backward
+        shard = {i: _fsdp_shard(p, spec.dp) for i, p in mine.items()}
+        params = sum(shard.values())
+        grads = sum(shard[i] for i, p in mine.items() if p.requires_grad)
+        state = round(grads * state_ratio)
+        # the unsharded parameters (padding included) and the flat all-gather output they were
+        # copied out of, which FSDP2 keeps (``all_gather_state``) until its next all-gather:
+        # with one unit per stage, the next step's
+        parts["fsdp gathered parameters"] = 2 * params * spec.dp
     elif target == "fsdp" and spec.dp > 1:
         shard = {i: _fsdp_shard(p, spec.dp) for i, p in mine.items()}
         params = sum(shard.values())
@@ -351,6 +376,7 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
     engine = sum(parts.values())
     live = base.live_peak - base.params - base.grads - base.optimizer_state - base.activations
     live = max(live, 0) + params + grads + state + activations + engine
+    live = max(live, params + buffers + grads + state + engine + transient)
     return dataclasses.replace(
         base,
         params=params,

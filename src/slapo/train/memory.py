@@ -28,7 +28,10 @@ class PeakMemory:
     (all of it is alive at the end of the forward); on a pipeline stage, the microbatches its
     schedule keeps in flight (1F1B frees one's saved tensors as its backward runs). This is the
     ``peak`` of :func:`slapo.estimate_memory` and :func:`slapo.estimate_layout` (see
-    :func:`estimated_peak_mb`).
+    :func:`estimated_peak_mb`), so it also counts the data-parallel engine's own bytes, as the
+    estimate's ``engine`` does (:class:`slapo.memory.EngineBytes`): DDP's gradient buckets, the
+    most parameters FSDP2 holds gathered at once (not counted as saved for backward), DeepSpeed's
+    fp32 partition. ``engine_mb`` is that share of ``peak_mb``.
 
     Counting runs a Python hook per saved tensor, which slows a step (an eager model, saving more
     tensors, more than a compiled one): with ``sample_steps=n`` only the first ``n`` steps are
@@ -46,8 +49,10 @@ class PeakMemory:
         self.model, self.optimizer = model, optimizer
         self.sample_steps = sample_steps
         self._counted = 0
-        self.peak_mb = self.activation_mb = 0.0
+        self.peak_mb = self.activation_mb = self.engine_mb = 0.0
+        self.engine_parts: dict[str, int] = {}
         self._live: Any = None
+        self._engine: Any = None
         # the device the model trains on: a CPU model on a machine with a GPU is still a CPU run
         self.cuda = torch.cuda.is_available() and any(
             _local(p).device.type == "cuda" for p in model.parameters()
@@ -64,14 +69,18 @@ class PeakMemory:
             live.__exit__(None, None, None)
 
     def __enter__(self) -> PeakMemory:
-        from ..memory import LiveSaved
+        from ..memory import EngineBytes, LiveSaved
 
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated() / 2**20
             return self
         params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._live = LiveSaved(skip=params)
+        self._engine = engine = EngineBytes(self.model)
+        if engine.kind == "fsdp":  # the gathered parameters: sampled, not counted as saved
+            self._live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)
+        else:
+            self._live = LiveSaved(skip=params)
         self._live.__enter__()
         return self
 
@@ -89,7 +98,10 @@ class PeakMemory:
         for per_param in getattr(self.optimizer, "state", {}).values():
             state += sum(_local(v).numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))  # fmt: skip
-        self.peak_mb = state / 2**20 + self.activation_mb
+        if self._engine is not None:
+            self.engine_parts = self._engine.parts()
+        self.engine_mb = sum(self.engine_parts.values()) / 2**20
+        self.peak_mb = state / 2**20 + self.activation_mb + self.engine_mb
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
