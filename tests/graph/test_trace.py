@@ -93,37 +93,27 @@ def test_example_inputs_from_the_schedule_are_used():
     assert torch.equal(model(x), model[1](model[0](x)))
 
 
+class Branchy(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum() > 0 else x  # data-dependent control flow
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = Branchy()
+
+    def forward(self, x):
+        return self.inner(x) + 1
+
+
 def test_fx_failure_names_the_module_and_suggests_a_fix():
-    class Branchy(nn.Module):
-        def forward(self, x):
-            return x * 2 if x.sum() > 0 else x  # data-dependent control flow
-
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Branchy()
-
-        def forward(self, x):
-            return self.inner(x) + 1
-
     sch = slapo.create_schedule(Outer())
     with pytest.raises(TraceError, match=r'"inner" \(Branchy\).*export'):
         sch["inner"].trace(tracer="fx")
 
 
 def test_export_failure_names_the_innermost_module_and_suggests_leaves():
-    class Branchy(nn.Module):
-        def forward(self, x):
-            return x * 2 if x.sum() > 0 else x  # data-dependent control flow
-
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner = Branchy()
-
-        def forward(self, x):
-            return self.inner(x) + 1
-
     sch = slapo.create_schedule(Outer())
     with pytest.raises(TraceError, match=r'"inner".*leaves=\["inner"\]'):
         sch.trace(example_inputs=torch.randn(3))

@@ -24,11 +24,21 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["FreshGrads", "ReplicaGradAverage", "global_grad_norm"]
+__all__ = ["FreshGrads", "ReplicaGradAverage", "global_grad_norm", "local_part"]
 
 #: Bytes all-reduced at once: large enough to amortise a collective's latency, small enough not
 #: to double the gradient memory (DDP's default bucket is 25 MiB).
 BUCKET_BYTES = 25 * 2**20
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 replica's shard), else ``t`` itself.
+
+    Example:
+        >>> local_part(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class FreshGrads:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..tie_weights import analyze_tie_weights
+from .replicas import local_part
 
 __all__ = ["TieGroup", "find_tie_groups", "TiedGradSync"]
 
@@ -42,10 +43,6 @@ def find_tie_groups(model: nn.Module, stages: Sequence[nn.Module]) -> list[TieGr
         if len(holders) > 1:
             ties.append(TieGroup(names, holders))
     return ties
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _param_names(mod: nn.Module) -> set[str]:
@@ -87,7 +84,7 @@ class TiedGradSync:
                     p.grad = torch.zeros_like(p)
             # an FSDP2 replica holds the same shard of every copy (the same shape, the same
             # data-parallel mesh): the shards are summed as the whole tensors would be
-            grads = [_local(p.grad) for p in params]
+            grads = [local_part(p.grad) for p in params]
             total = torch.stack(grads).sum(0)
             if tie.group is not None:
                 dist.all_reduce(total, group=tie.group)

@@ -28,7 +28,7 @@ from ..logger import get_logger
 from ..pipeline import TiedGradSync, find_tie_groups, format_table, partition_model, stage_table
 from ..pipeline.failure import FailTogether
 from ..pipeline.partition import stage_metas
-from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm
+from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm, local_part
 from ..pipeline.stage_checkpoint import checkpoint_stages, checkpointed_modules
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import (
@@ -360,7 +360,7 @@ class PipelineEngine:
                 if p.grad is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                grad = _local(p.grad)  # FSDP2: this replica's shard
+                grad = local_part(p.grad)  # FSDP2: this replica's shard
                 grads.append(grad)
                 if first_holder.get(name, stage) != stage:
                     continue  # a tied copy: its first stage counts it
@@ -685,11 +685,6 @@ def _shard_stages(local: dict[int, nn.Module], mesh: DeviceMesh | None) -> None:
     assert mesh is not None  # set with data_parallel="fsdp" on a mesh with dp > 1
     for mod in local.values():
         fully_shard(mod, mesh=mesh, reshard_after_forward=False)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (an FSDP2 shard), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _mesh_group(group: Any, name: str) -> dist.ProcessGroup | None:
