@@ -40,7 +40,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-from roundpipe.link import CopyEngine
+from roundpipe.devices.link import CopyEngine
 
 
 def make_mlp(n_layers: int, width: int) -> nn.Sequential:

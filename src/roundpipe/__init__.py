@@ -1,5 +1,11 @@
 """RoundPipe: train models larger than device memory by streaming layers round-robin to devices.
 
+The code lives in sub-packages that show the architecture: ``wrapping`` (the model wrappers),
+``models`` (presets), ``runtime`` (run, plan, config, batches, contexts), ``devices`` (device
+backends, link, transfer, memory, threads) and ``optim`` (Adam and its C++ kernel, the optimizer
+stream, the grad scaler). The module paths seed 004 documents (``roundpipe.batch``, ...) still import
+(:mod:`roundpipe.seed_paths`).
+
 Importing this package touches no device: devices (CUDA, or CPU virtual devices with
 ``ROUNDPIPE_VIRTUAL_DEVICES=N``) are created on first use or by :func:`init_devices`.
 
@@ -18,22 +24,27 @@ Example:
 
 from __future__ import annotations
 
-from .batch import RoundPipePackedData
-from .context import (
+import sys
+
+from .devices.device import DeviceMemoryError, get_devices, get_num_devices, init_devices
+from .devices.threads import RoundPipeTimeoutError
+from .optim.adam import Adam, RoundPipeOptimizer
+from .optim.grad_scaler import GradScaler
+from .runtime.batch import RoundPipePackedData
+from .runtime.context import (
     OptimizerCtx,
     doing_optimizer,
     doing_recompute,
     get_recompute_data,
     save_for_recompute,
 )
-from .device import DeviceMemoryError, get_devices, get_num_devices, init_devices
-from .grad_scaler import GradScaler
-from .optim import Adam, RoundPipeOptimizer
-from .roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
-from .run_config import RoundPipeRunConfig
-from .scheduler import ModelExecutePlan
-from .threads import RoundPipeTimeoutError
-from .wrapper import wrap_model_to_roundpipe
+from .runtime.plan import ModelExecutePlan
+from .runtime.run_config import RoundPipeRunConfig
+from .seed_paths import register_seed_paths
+from .wrapping.model import AutoRoundPipe, RoundPipe, RoundPipeBase
+from .wrapping.wrap import wrap_model_to_roundpipe
+
+register_seed_paths(sys.modules[__name__])
 
 __all__ = [
     "Adam",

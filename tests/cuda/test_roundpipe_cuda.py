@@ -13,7 +13,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe import DeviceMemoryError, RoundPipe, RoundPipeRunConfig
-from roundpipe.utils import derive_seed
+from roundpipe.runtime.rng import derive_seed
 
 
 def _mse(n_mb: int):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from roundpipe.utils import derive_seed
+from roundpipe.runtime.rng import derive_seed
 
 
 def mlp(n_layers: int = 4, width: int = 16, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:

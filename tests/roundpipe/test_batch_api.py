@@ -27,7 +27,7 @@ from roundpipe.batch import (
     guess_split_spec,
     merge_microbatches,
 )
-from roundpipe.link import CopyEvent
+from roundpipe.devices.link import CopyEvent
 from roundpipe.run_config import FullRoundPipeRunConfig
 
 
@@ -454,7 +454,9 @@ def test_grad_scaler_update_follows_torch(two_devices, step_async, update_async)
         scaler.update(is_async="no")
 
 
-@pytest.mark.parametrize("name", ["batch", "grad_scaler", "run_config", "split_spec"])
+@pytest.mark.parametrize(
+    "name", ["batch", "grad_scaler", "run_config", "runtime.split_spec", "seed_paths"]
+)
 def test_docstring_examples(two_devices, name):
     import doctest
     import importlib

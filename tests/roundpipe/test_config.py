@@ -12,9 +12,9 @@ from torch import nn
 import roundpipe
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.batch import Batch, TensorChunkSpec, guess_split_spec, merge_microbatches
+from roundpipe.devices.units import parse_bytes
 from roundpipe.run_config import FullRoundPipeRunConfig
 from roundpipe.scheduler import partition_layers
-from roundpipe.utils import parse_bytes
 
 
 def test_import_touches_no_device():

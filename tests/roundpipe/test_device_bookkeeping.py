@@ -16,7 +16,7 @@ from torch import nn
 import roundpipe
 from roundpipe import device, transfer
 from roundpipe.device import UPLOAD_MARK_LIMIT, DeviceManager, MemoryAccount
-from roundpipe.link import CopyEvent
+from roundpipe.devices.link import CopyEvent
 from roundpipe.threads import RunState, wait_until
 
 PACKAGE = Path(roundpipe.__file__).parent
@@ -153,7 +153,7 @@ def _imports(path: Path) -> list[tuple[str, ast.stmt, bool]]:
 
 
 def test_roundpipe_imports_form_layers_without_cycles():
-    # devices execute, run.py launches, the wrapper sits on top: no import arrow points back
+    # devices execute, runtime/run.py launches, the wrappers sit on top: no import arrow points back
     # up, not even a lazy or a TYPE_CHECKING one
     graph: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
@@ -175,7 +175,7 @@ def test_roundpipe_imports_form_layers_without_cycles():
 
     for node in sorted(graph):
         visit(node, [])
-    assert "roundpipe.run" not in graph["roundpipe.device"]
+    assert "roundpipe.runtime.run" not in graph["roundpipe.devices.device"]
 
 
 def test_function_level_imports_say_why_they_are_deferred():

@@ -17,7 +17,7 @@ from torch import nn
 
 import roundpipe
 from roundpipe import RoundPipe, RoundPipeRunConfig
-from roundpipe.link import CopyEngine, CopyEvent
+from roundpipe.devices.link import CopyEngine, CopyEvent
 from roundpipe.threads import RoundPipeTimeoutError
 
 # -- copy engines ------------------------------------------------------------------------------
@@ -208,7 +208,9 @@ def test_budget_for_one_stage_falls_back_to_no_prefetch(monkeypatch):
     assert 0 < dev.memory.peak <= budget and dev.memory.resident == 0
 
 
-@pytest.mark.parametrize("name", ["link", "device", "transfer", "threads"])
+@pytest.mark.parametrize(
+    "name", ["devices.link", "devices.device", "devices.transfer", "devices.threads"]
+)
 def test_docstring_examples(name):
     result = doctest.testmod(importlib.import_module(f"roundpipe.{name}"))
     roundpipe.init_devices(num_virtual=1)  # examples re-create devices: leave plain ones

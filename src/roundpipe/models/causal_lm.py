@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from ..batch import merge_microbatches
-from ..roundpipe import RoundPipe
-from ..run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from ..runtime.batch import merge_microbatches
+from ..runtime.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from ..wrapping.model import RoundPipe
 
 __all__ = ["CausalLMRoundPipe", "merge_summing", "target_count"]
 

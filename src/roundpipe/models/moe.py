@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-from ..context import doing_recompute, get_recompute_data, save_for_recompute
+from ..runtime.context import doing_recompute, get_recompute_data, save_for_recompute
 from .causal_lm import CausalLMRoundPipe
 from .decoder import DecoderBlock, DecoderHead
 

@@ -1,6 +1,6 @@
 """Build, load and cache the C++ implementation of optimizer functions.
 
-Each optimizer function ``name`` lives in ``roundpipe/csrc/<name>.cpp`` and is exported from that
+Each optimizer function ``name`` lives in ``roundpipe/optim/csrc/<name>.cpp`` and is exported from that
 file's extension module under the same name. On first use the source is compiled with
 :func:`torch.utils.cpp_extension.load` (ninja, ``-O3 -march=native -fopenmp``) into a cache
 directory keyed by a hash of the source, the CPU flags, the compiler flags and the torch and Python

@@ -6,13 +6,13 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from .device import get_min_gpu_memory, get_num_devices
-from .threads import RoundPipeAborted, RunState, wait_until
+from ..devices.device import get_min_gpu_memory, get_num_devices
+from ..devices.threads import RoundPipeAborted, RunState, wait_until
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .attribute import LayerAttribute
+    from ..wrapping.attribute import LayerAttribute
     from .timer import ModelTimer
 
 __all__ = ["ModelExecutePlan", "ModelTracker", "PipelineModel", "partition_layers"]

@@ -26,15 +26,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .batch import Batch
-from .context import ForwardCtx, RecomputeCtx
-from .device import DeviceManager, get_devices, get_next_device, prefetch_enabled
-from .link import TraceRecord
-from .profile import annotate
-from .run_config import FullRoundPipeRunConfig
-from .scheduler import ModelExecutePlan, ModelTracker, PipelineModel
-from .threads import RunState
-from .transfer import (
+from ..devices.device import DeviceManager, get_devices, get_next_device, prefetch_enabled
+from ..devices.link import TraceRecord
+from ..devices.threads import RunState
+from ..devices.transfer import (
     StageOnDevice,
     async_d2h,
     async_h2d,
@@ -42,7 +37,12 @@ from .transfer import (
     download_layer_async,
     upload_layers,
 )
-from .utils import derive_seed
+from .batch import Batch
+from .context import ForwardCtx, RecomputeCtx
+from .plan import ModelExecutePlan, ModelTracker, PipelineModel
+from .profile import annotate
+from .rng import derive_seed
+from .run_config import FullRoundPipeRunConfig
 
 __all__ = [
     "RoundPipeBatchedBackward",

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .context import OptimizerCtx
-from .threads import RoundPipeThread, trim_traceback, wait_until
+from ..devices.threads import RoundPipeThread, trim_traceback, wait_until
+from ..runtime.context import OptimizerCtx
 
 __all__ = [
     "OPTIM_STOP",

@@ -14,7 +14,7 @@ Where the copies go:
 * **CPU virtual devices**: host and device memory are the same, so a stage uses the host
   parameters in place (no copy) and hands its gradients over without a copy; activations and
   buffers (which layers may change in place) are copied. With a modelled link each transfer
-  still holds its copy engine for ``bytes / bandwidth`` (:mod:`roundpipe.link`).
+  still holds its copy engine for ``bytes / bandwidth`` (:mod:`roundpipe.devices.link`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .attribute import ParamAttribute
+from ..wrapping.attribute import ParamAttribute
 from .device import DeviceManager
 
 __all__ = [
@@ -466,7 +466,7 @@ def download_layer_async(
     pinned host buffers; the engine thread waits for the copy's event. On CPU virtual devices
     the gradient tensors are handed over as they are, after the modelled link time.
 
-    Returns the transfer's :class:`~roundpipe.link.CopyEvent`. If this raises, ``on_done`` has
+    Returns the transfer's :class:`~roundpipe.devices.link.CopyEvent`. If this raises, ``on_done`` has
     already run with the error.
     """
     try:

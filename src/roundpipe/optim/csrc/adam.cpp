@@ -25,7 +25,7 @@
 
 namespace {
 
-// Dtype codes shared with roundpipe/optim.py (_DTYPE_CODES).
+// Dtype codes shared with roundpipe/optim/adam.py (_DTYPE_CODES).
 enum DType : int { kNone = 0, kF32 = 1, kBF16 = 2, kF16 = 3 };
 
 // Elements per work item: large enough to amortize dispatch, small enough to balance threads.
@@ -211,7 +211,7 @@ T* as_ptr(int64_t address) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
 }
 
-// Layout of one row of the int64 task table built by roundpipe/optim.py (_pack_tasks).
+// Layout of one row of the int64 task table built by roundpipe/optim/adam.py (_pack_tasks).
 enum Column : int {
   kParam, kGrad, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kShadow, kNumel, kGradDtype, kShadowDtype,
   kColumns

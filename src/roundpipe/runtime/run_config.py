@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 import torch
 
-from .device import get_num_devices
-from .scheduler import ModelExecutePlan
+from ..devices.device import get_num_devices
+from .plan import ModelExecutePlan
 from .split_spec import check_spec, is_spec
 
 __all__ = ["FullRoundPipeRunConfig", "RoundPipeRunConfig"]

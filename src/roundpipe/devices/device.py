@@ -10,7 +10,7 @@ Two backends share one interface:
 * ``cpu``: *virtual* devices (``ROUNDPIPE_VIRTUAL_DEVICES=N``, the default when no GPU exists).
   "Device memory" is ordinary CPU memory: stage parameters are used in place (no copy is needed
   where host and device memory are one), activations and buffers are copied. Each device has two
-  copy engines (:mod:`roundpipe.link`), host -> device and device -> host, whose lanes stand in for
+  copy engines (:mod:`roundpipe.devices.link`), host -> device and device -> host, whose lanes stand in for
   the CUDA copy streams. With ``ROUNDPIPE_VIRTUAL_LINK_GBPS`` every transfer holds its engine for
   ``bytes / bandwidth`` of wall time on the engine's own thread, so transfers overlap compute as
   DMA does on a GPU; without it, copies run inline at no extra cost.
@@ -42,7 +42,7 @@ import torch
 
 from .link import TRACE_LIMIT, CopyEngine, CopyEvent, TraceRecord, check_gbps, link_gbps_from_env
 from .threads import RoundPipeThread, RunState, get_wait_timeout, wait_event, wait_until
-from .utils import parse_bytes
+from .units import parse_bytes
 
 __all__ = [
     "PREFETCH_ENV",
@@ -218,8 +218,8 @@ class DeviceManager:
     running job always gets its memory before the next one can take any. A prepared result the
     job never claimed (it was skipped after a failure) is freed when the job ends.
 
-    ``trace`` keeps the latest :data:`~roundpipe.link.TRACE_LIMIT` spans of transfers run by the
-    copy engines and of stage computes (:class:`~roundpipe.link.TraceRecord`).
+    ``trace`` keeps the latest :data:`~roundpipe.devices.link.TRACE_LIMIT` spans of transfers run by the
+    copy engines and of stage computes (:class:`~roundpipe.devices.link.TraceRecord`).
     """
 
     def __init__(
@@ -289,7 +289,7 @@ class DeviceManager:
         return contextlib.nullcontext()
 
     def new_event(self) -> Any:
-        """A fresh event on this device: a CUDA event, or a :class:`~roundpipe.link.CopyEvent`
+        """A fresh event on this device: a CUDA event, or a :class:`~roundpipe.devices.link.CopyEvent`
         that a copy lane completes (``event.record(lane)``)."""
         return torch.cuda.Event() if self.is_cuda else CopyEvent()
 
@@ -300,7 +300,7 @@ class DeviceManager:
     def hold_link(self, lane: Any, kind: str, what: str, nbytes: int) -> None:
         """Occupy ``lane``'s link (a CPU copy lane) for a transfer of ``nbytes`` in the calling
         thread, which waits for that transfer anyway: the modelled link time of a copy it made
-        itself (:meth:`roundpipe.link.CopyLane.hold`). No-op without a link."""
+        itself (:meth:`roundpipe.devices.link.CopyLane.hold`). No-op without a link."""
         if self.link_gbps is not None and nbytes:
             lane.hold(kind, what, nbytes)
 
@@ -527,7 +527,7 @@ def init_devices(
         backend: ``"cpu"`` or ``"cuda"``; default: ``cuda`` if available and
             ``ROUNDPIPE_VIRTUAL_DEVICES`` is unset, else ``cpu``.
         link_gbps: modelled host <-> device bandwidth of CPU virtual devices in GB/s (see
-            :mod:`roundpipe.link`); default ``ROUNDPIPE_VIRTUAL_LINK_GBPS``, else none (copies
+            :mod:`roundpipe.devices.link`); default ``ROUNDPIPE_VIRTUAL_LINK_GBPS``, else none (copies
             run inline, taking only the time they take).
 
     Must not be called while a RoundPipe run is in flight.

@@ -27,8 +27,8 @@ from torch.distributed.pipelining.microbatch import (
     sum_reducer,
 )
 
+from ..devices.threads import RunState, wait_event
 from .split_spec import _is_spec_leaf, check_spec, is_spec
-from .threads import RunState, wait_event
 
 if TYPE_CHECKING:
     from .run_config import FullRoundPipeRunConfig
@@ -77,7 +77,7 @@ def wait_transfer_event(
 ) -> None:
     """Block until ``event`` completed; ``None`` is an event that already did.
 
-    ``event`` is a CUDA / torch event or a :class:`~roundpipe.link.CopyEvent` (its
+    ``event`` is a CUDA / torch event or a :class:`~roundpipe.devices.link.CopyEvent` (its
     ``synchronize()`` is called) or a ``threading.Event`` (waited on, aborting when ``state``
     reports a failure elsewhere).
 
@@ -140,7 +140,7 @@ def _is_leaf(x: Any) -> bool:
     return isinstance(x, RoundPipePackedData)
 
 
-# -- specs (the leaf checks live in roundpipe.split_spec) ---------------------------------
+# -- specs (the leaf checks live in roundpipe.runtime.split_spec) ---------------------------------
 def _num_leaves(data: Any) -> int:
     return len(pytree.tree_leaves(data, is_leaf=_is_leaf))
 

@@ -10,23 +10,23 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
-from .batch import Batch
-from .context import doing_optimizer
-from .device import get_devices
-from .grad_scaler import snapshot_scalers
-from .memory import pin_module
-from .optim_stream import (
+from ..devices.device import get_devices
+from ..devices.pinning import pin_module
+from ..optim.grad_scaler import snapshot_scalers
+from ..optim.stream import (
     launch_optim_kernel,
     on_optim_stream,
     raise_pending_error,
     synchronize_optim,
 )
-from .run import RoundPipeBatchedBackward, RoundPipeRun
-from .run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
-from .scheduler import ModelExecutePlan
-from .timer import ModelTimer
-from .utils import get_call_location, get_model_active_size, get_model_size
+from ..runtime.batch import Batch
+from ..runtime.context import doing_optimizer
+from ..runtime.plan import ModelExecutePlan
+from ..runtime.run import RoundPipeBatchedBackward, RoundPipeRun
+from ..runtime.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
+from ..runtime.timer import ModelTimer
+from .attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
+from .sizes import get_call_location, get_model_active_size, get_model_size
 
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
 

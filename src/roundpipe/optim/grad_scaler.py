@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from .optim_stream import (
+from ..devices.threads import AnnotatedEvent
+from .stream import (
     launch_optim_kernel,
     on_optim_stream,
     raise_pending_error,
     synchronize_optim,
 )
-from .threads import AnnotatedEvent
 
 __all__ = ["GradScaler", "snapshot_scalers"]
 

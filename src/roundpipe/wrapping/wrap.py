@@ -7,11 +7,11 @@ from typing import Any
 
 from torch import nn
 
-from .device import get_num_devices
-from .models import find_preset, wrap_model
-from .roundpipe import AutoRoundPipe, RoundPipe, RoundPipeBase
-from .run_config import RoundPipeRunConfig
-from .utils import get_call_location, get_model_size
+from ..devices.device import get_num_devices
+from ..models import find_preset, wrap_model
+from ..runtime.run_config import RoundPipeRunConfig
+from .model import AutoRoundPipe, RoundPipe, RoundPipeBase
+from .sizes import get_call_location, get_model_size
 
 __all__ = ["wrap_model_recursive", "wrap_model_to_roundpipe"]
 

@@ -20,7 +20,7 @@ import threading
 import torch
 from torch import nn
 
-from .threads import RunState, wait_until
+from ..devices.threads import RunState, wait_until
 
 __all__ = ["LayerAttribute", "ParamAttribute"]
 

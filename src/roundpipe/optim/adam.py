@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from .optim_builder import OptimBuildError, get_optim_function
-from .optim_stream import on_optim_stream, synchronize_optim
-from .roundpipe import RoundPipeBase
+from ..wrapping.model import RoundPipeBase
+from .builder import OptimBuildError, get_optim_function
+from .stream import on_optim_stream, synchronize_optim
 
 __all__ = ["Adam", "RoundPipeOptimizer"]
 
