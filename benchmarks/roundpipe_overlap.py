@@ -17,13 +17,22 @@ the fused last stage, recompute + backward stages) is timed as:
   replay lets them, on their own engine).
 
 The goal: RoundPipe with prefetch within 1.15x of the bound; without prefetch about the sum.
+
+**A user's loop** (``--user-loop``, on by default; issue 27): one CPU virtual device, eight
+``Linear(768, 768) + GELU`` layers, batch 384 in 3 microbatches, the *default* plan
+(``ModelExecutePlan.auto``), each step ``forward_backward`` + ``model.step`` + ``synchronize``,
+timed without a link and with ``ROUNDPIPE_VIRTUAL_LINK_GBPS=0.35`` side by side (interleaved
+rounds). Goal: the step with the link within 1.15x of the step without it. For reference it also
+times the plan the link made the planner choose, without the link (what the transfers cost on
+that very layout).
 A modelled transfer only sleeps on its engine thread. Compute uses one intra-op thread by
 default: on a machine where other processes hold a core, a two-thread team stalls at every
 barrier (steps several times slower, at random), which no interleaving cancels; on an idle
 machine ``--threads 0`` (torch's default) works as well.
 
     .venv/bin/python benchmarks/roundpipe_overlap.py [--layers 12] [--width 2048] [--batch 64]
-        [--microbatches 2] [--rounds 7] [--gbps G] [--threads 1]
+        [--microbatches 2] [--rounds 7] [--gbps G] [--threads 1] [--no-user-loop]
+        [--user-rounds 9] [--user-gbps 0.35]
 """
 
 from __future__ import annotations
@@ -126,6 +135,92 @@ def transfers_alone_step(records: list, gbps: float) -> Callable[[], None]:
     return step
 
 
+class UserLoop:
+    """The issue's user: a model, an SGD optimizer and the loop ``forward_backward`` + ``step`` +
+    ``synchronize`` with the default plan (or ``plan``), on one CPU virtual device whose link is
+    ``gbps`` (None: no link model)."""
+
+    WIDTH, LAYERS, BATCH, MICROBATCHES = 768, 8, 384, 3
+
+    def __init__(self, gbps: float | None, plan: ModelExecutePlan | None = None) -> None:
+        self.gbps = gbps
+        cfg = RoundPipeRunConfig(num_microbatch=self.MICROBATCHES, execute_plan=plan)
+        self.model = RoundPipe(
+            make_mlp(self.LAYERS, self.WIDTH), pin_model="off", model_run_config=cfg
+        )
+        self.opt = torch.optim.SGD(self.model.optim_parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(1)
+        self.x = torch.randn(self.BATCH, self.WIDTH, generator=gen)
+        self.y = torch.randn(self.BATCH, self.WIDTH, generator=gen)
+
+    def loss_fn(self, out: torch.Tensor, lab: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, lab) / self.MICROBATCHES
+
+    def step(self) -> tuple[float, float]:
+        """One step of the loop: (forward_backward seconds, whole step seconds)."""
+        t0 = time.perf_counter()
+        self.model.forward_backward((self.x,), label=self.y, loss_fn=self.loss_fn)
+        t1 = time.perf_counter()
+        self.model.step(lambda: (self.opt.step(), self.opt.zero_grad()))
+        self.model.synchronize()
+        return t1 - t0, time.perf_counter() - t0
+
+    def round(self, steps: int) -> tuple[float, float]:
+        """Fresh devices (this setup's link), one untimed step, then the median of ``steps``."""
+        roundpipe.init_devices(num_virtual=1, link_gbps=self.gbps)
+        self.step()
+        samples = [self.step() for _ in range(steps)]
+        return statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples)
+
+    def plan(self) -> ModelExecutePlan:
+        roundpipe.init_devices(num_virtual=1, link_gbps=self.gbps)
+        self.step()  # the devices measure what a stage moves
+        plan = ModelExecutePlan.auto("fused", self.model)
+        assert isinstance(plan, ModelExecutePlan)
+        return plan
+
+
+def user_loop(rounds: int, gbps: float) -> None:
+    """Time the issue's user loop with and without the link, interleaved; print the ratios."""
+    no_link, link = UserLoop(None), UserLoop(gbps)
+    for setup in (no_link, link):  # warm-up: timers measured, the plan settled
+        setup.round(4)
+    chosen = link.plan()
+    same_plan = UserLoop(None, chosen)
+    same_plan.round(3)
+    setups = {"no link": no_link, f"link {gbps} GB/s": link, "no link, the link's plan": same_plan}
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in setups}
+    for _ in range(rounds):
+        for name, setup in setups.items():
+            samples[name].append(setup.round(3))
+    print(
+        f"\nuser loop: 1 CPU virtual device, {UserLoop.LAYERS} x (Linear {UserLoop.WIDTH}x"
+        f"{UserLoop.WIDTH} + GELU), batch {UserLoop.BATCH} in {UserLoop.MICROBATCHES} "
+        f"microbatches, default plan, {torch.get_num_threads()} intra-op threads; {rounds} "
+        "interleaved rounds (the median of 3 steps each)"
+    )
+    print(f"  plan without the link: {ModelExecutePlan.auto('fused', no_link.model)}")
+    print(f"  plan with the link:    {chosen}")
+    print(f"{'':<30}{'fwd_bwd median':>15}{'best':>8}{'step median':>13}{'best':>8}  (ms)")
+    for name, rows in samples.items():
+        fb, full = [r[0] for r in rows], [r[1] for r in rows]
+        cells = [statistics.median(fb), min(fb), statistics.median(full), min(full)]
+        print(
+            f"{name:<30}{cells[0] * 1e3:>15.1f}{cells[1] * 1e3:>8.1f}{cells[2] * 1e3:>13.1f}"
+            f"{cells[3] * 1e3:>8.1f}"
+        )
+    base, with_link = samples["no link"], samples[f"link {gbps} GB/s"]
+    ref = samples["no link, the link's plan"]
+    for label, idx in (("forward_backward", 0), ("full step (+ step + synchronize)", 1)):
+        med = statistics.median(r[idx] for r in with_link) / statistics.median(r[idx] for r in base)
+        best = min(r[idx] for r in with_link) / min(r[idx] for r in base)
+        same = statistics.median(r[idx] for r in with_link) / statistics.median(r[idx] for r in ref)
+        print(
+            f"ratio link / no link, {label}: median {med:.2f}x, best {best:.2f}x "
+            f"(goal <= 1.15x); on the same plan: median {same:.2f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=12)
@@ -142,6 +237,14 @@ def main() -> None:
         default=1,
         help="intra-op threads for compute (0: torch's default); see the module docstring",
     )
+    parser.add_argument(
+        "--user-loop",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also time the issue's user loop (see the module docstring)",
+    )
+    parser.add_argument("--user-rounds", type=int, default=9)
+    parser.add_argument("--user-gbps", type=float, default=0.35)
     args = parser.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -230,6 +333,8 @@ def main() -> None:
             v = t[key] if key else (bound if row.startswith("bound") else total)
             cells += f"{v:>14.4f}{v / bound:>9.2f}{v / total:>7.2f}"
         print(f"{row:<48}{cells}")
+    if args.user_loop:
+        user_loop(args.user_rounds, args.user_gbps)
 
 
 if __name__ == "__main__":

@@ -62,8 +62,9 @@ def test_training_with_a_link_keeps_upload_marks_bounded(monkeypatch):
     device.wait_devices_idle(timeout=30)
     for dev in device.get_devices():
         # dozens of uploads happened on every device, yet only the newest marks are kept
-        # (a complete mark goes when the next is added; at most one prefetch is in flight)
-        assert 1 <= len(dev.upload_mark) <= 2, dev
+        # (a complete mark goes when the next is added; a device uploads the stages of at most
+        # one run ahead: 13 stage jobs over the two devices)
+        assert 1 <= len(dev.upload_mark) <= 7, dev
         assert dev.flush_upload_marks() == []  # and every upload completed
 
 

@@ -8,7 +8,9 @@ import collections
 import copy
 import doctest
 import importlib
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -121,6 +123,7 @@ def test_bad_settings_are_clear_errors(monkeypatch, two_devices):
 WIDTH, N_LAYERS, N_MB = 256, 4, 2
 # 0.05 GB/s: a layer's weights (256 KiB) hold the link ~5 ms, a microbatch's activations ~0.7 ms
 GBPS = 0.05
+GATE_TIMEOUT = 20.0  # s: a gate that is never opened fails the step instead of hanging it
 
 
 def _one_layer_stages() -> roundpipe.ModelExecutePlan:
@@ -130,17 +133,98 @@ def _one_layer_stages() -> roundpipe.ModelExecutePlan:
     return plan
 
 
-def _reference() -> nn.Sequential:
+class _Gates:
+    """Deterministic overlap: makes each stage's compute wait (bounded) until the next stage's
+    upload on the same device landed, and each gradient download wait (bounded) until a later
+    stage computed on its device. Where the runtime serialised them instead, a gate is never
+    opened and the step fails after :data:`GATE_TIMEOUT`; where it overlaps them, the trace
+    order below holds whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.cond = threading.Condition()
+        self.computed: dict[int, int] = collections.Counter()  # device id -> gate calls
+
+    def __deepcopy__(self, memo) -> _Gates:
+        return self  # shared by the model, its reference copy and the upload skeletons
+
+    def device(self) -> roundpipe.device.DeviceManager:
+        me = threading.current_thread()
+        return next(d for d in roundpipe.get_devices() if d.controller_thread is me)
+
+    def in_stage(self) -> None:
+        """Called in every layer's compute, on the device's worker thread."""
+        if not self.enabled:
+            return
+        dev = self.device()
+        with self.cond:
+            self.computed[dev.id] += 1
+            self.cond.notify_all()
+
+        def next_upload_landed() -> bool:
+            records = list(dev.trace)
+            uploads = sum(r.kind == "upload" for r in records)
+            computes = sum(r.kind == "compute" for r in records)
+            return uploads >= computes + 2 or not dev._queue  # the last stage has no next
+
+        deadline = time.monotonic() + GATE_TIMEOUT
+        while not next_upload_landed():  # the copy engines append to the trace: poll it
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the next stage on {dev} was not uploaded during this one")
+            time.sleep(0.001)
+
+    def gate_downloads(self, monkeypatch, dev) -> None:
+        """Hold each gradient download (but a device's last) on the d2h engine until its device
+        computed again. It holds the engine thread: safe here, where nothing a stage computes on
+        waits for a device -> host copy queued behind a download (backward stages start from
+        inputs saved long before)."""
+        lane = dev.grad_downstream
+        submit = lane.submit
+
+        def gated(kind, what, nbytes, fn=None, then=None, event=None):
+            if not (self.enabled and kind == "download" and dev._queue):
+                return submit(kind, what, nbytes, fn, then, event)
+            with self.cond:
+                seen = self.computed[dev.id]
+
+            def wait_for_next_stage() -> None:
+                with self.cond:
+                    if not self.cond.wait_for(lambda: self.computed[dev.id] > seen, GATE_TIMEOUT):
+                        raise TimeoutError(f"no stage computed on {dev} while {what} downloaded")
+                if fn is not None:
+                    fn()
+
+            return submit(kind, what, nbytes, wait_for_next_stage, then, event)
+
+        monkeypatch.setattr(lane, "submit", gated)
+
+
+class _Gate(nn.Module):
+    def __init__(self, gates: _Gates) -> None:
+        super().__init__()
+        self.gates = gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.gates.in_stage()
+        return x
+
+
+def _reference(gates: _Gates | None = None) -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(N_LAYERS)])
+    layers = [nn.Linear(WIDTH, WIDTH) for _ in range(N_LAYERS)]
+    if gates is None:
+        return nn.Sequential(*layers)
+    return nn.Sequential(*[nn.Sequential(layer, _Gate(gates)) for layer in layers])
 
 
-def _traced_step(monkeypatch, ndev: int, prefetch: bool, budget: int | None = None):
+def _traced_step(
+    monkeypatch, ndev: int, prefetch: bool, budget: int | None = None, gates: _Gates | None = None
+):
     """One traced training step (after a warm-up step); returns the devices, the model and the
     loss next to plain PyTorch's."""
     monkeypatch.setenv("ROUNDPIPE_PREFETCH", "1" if prefetch else "0")
     devs = roundpipe.init_devices(num_virtual=ndev, link_gbps=GBPS, memory_limit=budget)
-    ref = _reference()
+    ref = _reference(gates)
     net = copy.deepcopy(ref)
     cfg = RoundPipeRunConfig(num_microbatch=N_MB, execute_plan=_one_layer_stages())
     model = RoundPipe(net, pin_model="off", model_run_config=cfg, name="m")
@@ -153,7 +237,15 @@ def _traced_step(monkeypatch, ndev: int, prefetch: bool, budget: int | None = No
     model.zero_grad()
     for d in devs:
         d.trace.clear()
-    loss = model.forward_backward((x,), label=y, loss_fn=loss_fn)
+    if gates is not None:
+        for d in devs:
+            gates.gate_downloads(monkeypatch, d)
+        gates.enabled = True
+    try:
+        loss = model.forward_backward((x,), label=y, loss_fn=loss_fn)
+    finally:
+        if gates is not None:
+            gates.enabled = False
     ref_loss = nn.functional.mse_loss(ref(x), y)
     ref_loss.backward()
     assert_close(loss, ref_loss.detach(), "loss")
@@ -173,16 +265,26 @@ def _pairs(dev):
 
 @pytest.mark.parametrize("ndev", [1, 2])
 def test_next_stage_uploads_while_the_current_one_computes(monkeypatch, ndev):
-    devs = _traced_step(monkeypatch, ndev, prefetch=True)
+    # the gates make the order deterministic where the runtime overlaps, and fail the step
+    # where it does not (see _Gates): no assertion here depends on how fast anything ran
+    devs = _traced_step(monkeypatch, ndev, prefetch=True, gates=_Gates())
     for dev in devs:
         pairs, uploads, downloads = _pairs(dev)
         for cur, nxt in pairs:
             # the ORDER that proves overlap: the next stage's parameters were on the link
             # before the current stage finished computing
             assert uploads[nxt.what].start < cur.end, (cur, uploads[nxt.what])
-            if cur.what in downloads:  # its gradients moved while the next stage computed
+            if cur.what in downloads:  # the next stage computed before its gradients landed
                 grads = downloads[cur.what]
-                assert grads.start < nxt.end and nxt.start < grads.end, (grads, nxt)
+                assert cur.end <= grads.start and nxt.start < grads.end, (cur, grads, nxt)
+
+
+def test_gates_fail_a_step_that_does_not_overlap(monkeypatch):
+    # the check above can fail: without prefetch the first gate is never opened
+    monkeypatch.setattr(sys.modules[__name__], "GATE_TIMEOUT", 0.5)
+    with pytest.raises(TimeoutError, match="was not uploaded during this one"):
+        _traced_step(monkeypatch, 1, prefetch=False, gates=_Gates())
+    roundpipe.init_devices(num_virtual=1)
 
 
 @pytest.mark.parametrize("ndev", [1, 2])

@@ -1,7 +1,9 @@
 """Devices that RoundPipe streams layers to: a worker thread, an uploader thread and copy engines
 each.
 
-Two backends share one interface:
+Two backends share one interface (:class:`~roundpipe.devices.backend.DeviceBackend`: streams
+and events, copies to and from the host, pinning, memory, synchronization); a
+:class:`DeviceManager` calls its backend (``device.backend``) instead of branching on the kind:
 
 * ``cuda``: one :class:`DeviceManager` per GPU with streams ``param_upstream`` (stage parameters,
   host -> device), ``upstream`` (activations in), ``compute_stream``, ``downstream`` (activations
@@ -19,11 +21,15 @@ An optional per-device budget (``ROUNDPIPE_DEVICE_MEMORY``, e.g. ``"64MiB"``) is
 bytes RoundPipe keeps resident: uploading more than the budget raises :class:`DeviceMemoryError`.
 
 **Overlap.** Where copies are asynchronous (CUDA, or a modelled link), a device prepares the
-upload of its next queued stage on its uploader thread while its worker computes the current one
-(*prefetch*); a stage whose upload does not fit the budget beside the running one is uploaded when
-it starts (never a wait for memory). A stage's gradients download on the d2h copy engine while
-the next stage computes. ``ROUNDPIPE_PREFETCH=0`` turns prefetch off (read at each RoundPipe
-call); gradient downloads stay asynchronous.
+uploads of its queued stages on its uploader thread while its worker computes the current one
+(*prefetch*): one stage ahead on a GPU, as many as the budget holds on a virtual device
+(:attr:`DeviceManager.prefetch_depth`); a stage whose upload does not fit the budget is uploaded
+when it starts (never a wait for memory), and nothing behind it is prepared before. A stage's
+gradients download on the d2h copy engine while the next stage computes; on a modelled link,
+activations leave for the host in the background too, and the next microbatch's inputs cross
+while the current one computes (:func:`roundpipe.devices.transfer.prefetch_h2d`).
+``ROUNDPIPE_PREFETCH=0`` turns stage prefetch off (read at each RoundPipe call); gradient
+downloads stay asynchronous.
 
 Nothing here runs at import time: devices are created on first use (or by
 :func:`init_devices`), so importing RoundPipe never touches an accelerator.
@@ -40,9 +46,19 @@ from typing import Any
 
 import torch
 
-from .link import TRACE_LIMIT, CopyEngine, CopyEvent, TraceRecord, check_gbps, link_gbps_from_env
+from .backend import DeviceBackend
+from .cuda_backend import CudaBackend
+from .link import (
+    TRACE_LIMIT,
+    CopyEngine,
+    CopyEvent,  # noqa: F401 - the docstring examples use it
+    TraceRecord,
+    check_gbps,
+    link_gbps_from_env,
+)
 from .threads import RoundPipeThread, RunState, get_wait_timeout, wait_event, wait_until
 from .units import parse_bytes
+from .virtual_backend import VirtualBackend
 
 __all__ = [
     "PREFETCH_ENV",
@@ -57,6 +73,7 @@ __all__ = [
     "get_next_device",
     "get_num_devices",
     "init_devices",
+    "make_backend",
     "prefetch_enabled",
     "shutdown_devices",
     "wait_devices_idle",
@@ -148,21 +165,19 @@ class MemoryAccount:
             self.peak = self.resident
 
 
-class _NullStream:
-    """Compute "stream" of a CPU virtual device: its worker thread, where every op completes
-    before the next starts (work that must wait for a copy waits on the copy's event)."""
+def make_backend(device: torch.device, link_gbps: float | None = None) -> DeviceBackend:
+    """The backend of ``device``: :class:`~roundpipe.devices.cuda_backend.CudaBackend` for a GPU,
+    :class:`~roundpipe.devices.virtual_backend.VirtualBackend` for a CPU virtual device.
 
-    def synchronize(self) -> None:
-        pass
-
-    def wait_stream(self, other: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> CopyEvent:
-        return CopyEvent()
+    Example:
+        >>> type(make_backend(torch.device("cpu"))).__name__
+        'VirtualBackend'
+    """
+    if device.type == "cuda":
+        return CudaBackend(device, link_gbps)
+    if device.type == "cpu":
+        return VirtualBackend(device, link_gbps)
+    raise ValueError(f"no RoundPipe device backend for {device.type!r} devices")
 
 
 class _Job:
@@ -231,37 +246,32 @@ class DeviceManager:
     ) -> None:
         self.id = id
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.supports_pinning = self.is_cuda
-        if link_gbps is not None and self.is_cuda:
-            raise ValueError("the link model is for CPU virtual devices; a GPU has a real link")
+        self.backend: DeviceBackend = make_backend(device, link_gbps)
+        self.is_cuda = self.backend.is_cuda
+        self.supports_pinning = self.backend.supports_pinning
         self.link_gbps = link_gbps
         # copies run beside compute: the next stage can be prefetched
-        self.async_copies = self.is_cuda or link_gbps is not None
+        self.async_copies = self.backend.async_copies
+        # how many queued jobs the uploader may prepare ahead of the running one (None: as many
+        # as the memory budget holds). A GPU keeps one (its memory is real and unbudgeted by
+        # default); a virtual device uploads as early as its budget allows.
+        self.prefetch_depth: int | None = self.backend.prefetch_depth
+        # activation bytes a stage job uploads (its inputs, all microbatches), smoothed over
+        # jobs: what the planner weighs against the link (ModelExecutePlan.auto)
+        self.activation_bytes_per_stage: float | None = None
+        self._job_activation_bytes = 0
         self.shutdown = False
         self.memory = MemoryAccount(f"{device.type}:{id}", budget)
         self.trace: collections.deque[TraceRecord] = collections.deque(maxlen=TRACE_LIMIT)
+        streams = self.backend.create_streams(f"device-{id}", self.trace)
+        self.param_upstream: Any = streams.param_upstream
+        self.upstream: Any = streams.upstream
+        self.compute_stream: Any = streams.compute_stream
+        self.downstream: Any = streams.downstream
+        self.grad_downstream: Any = streams.grad_downstream
+        self.h2d: CopyEngine | None = streams.h2d
+        self.d2h: CopyEngine = streams.d2h
         name = f"device-{id}"
-        if self.is_cuda:
-            with torch.cuda.device(device):
-                self.param_upstream: Any = torch.cuda.Stream(device)
-                self.upstream: Any = torch.cuda.Stream(device)
-                self.compute_stream: Any = torch.cuda.Stream(device)
-                self.downstream: Any = torch.cuda.Stream(device)
-                self.grad_downstream: Any = torch.cuda.Stream(device)
-            self.h2d: CopyEngine | None = None  # copies are issued on the streams above
-            # gradient downloads land on the host (accumulated, device copies freed) here,
-            # once their event completed, while the worker computes on
-            self.d2h = CopyEngine(f"{name} d2h", threaded=True, trace=self.trace)
-        else:
-            threaded = link_gbps is not None
-            self.h2d = CopyEngine(f"{name} h2d", link_gbps, threaded, self.trace)
-            self.d2h = CopyEngine(f"{name} d2h", link_gbps, threaded, self.trace)
-            self.param_upstream = self.h2d.bulk
-            self.upstream = self.h2d.express
-            self.compute_stream = _NullStream()
-            self.downstream = self.d2h.express
-            self.grad_downstream = self.d2h.bulk
         # pending stage-upload events (mark_upload); bounded
         self.upload_mark: collections.deque[Any] = collections.deque(maxlen=UPLOAD_MARK_LIMIT)
         self._mark_lock = threading.Lock()
@@ -284,14 +294,12 @@ class DeviceManager:
     # -- streams and events -------------------------------------------------------------
     def stream(self, stream: Any) -> contextlib.AbstractContextManager:
         """Context that makes ``stream`` current (no-op on CPU)."""
-        if self.is_cuda:
-            return torch.cuda.stream(stream)
-        return contextlib.nullcontext()
+        return self.backend.stream(stream)
 
     def new_event(self) -> Any:
         """A fresh event on this device: a CUDA event, or a :class:`~roundpipe.devices.link.CopyEvent`
         that a copy lane completes (``event.record(lane)``)."""
-        return torch.cuda.Event() if self.is_cuda else CopyEvent()
+        return self.backend.new_event()
 
     def wait_stream(self, waiter: Any, wait_for: Any) -> None:
         """Make ``waiter`` wait for all work queued on ``wait_for``."""
@@ -336,11 +344,27 @@ class DeviceManager:
         """Block the calling thread until this device's copies and kernels are complete."""
         for ev in self.flush_upload_marks():
             ev.synchronize()
-        if self.is_cuda:
-            torch.cuda.synchronize(self.device)
+        self.backend.synchronize()
         for engine in (self.h2d, self.d2h):
             if engine is not None:
                 engine.wait_idle()
+
+    def wait_activation_copies(self) -> None:
+        """Wait until the activation copies queued to the host landed (a modelled link's d2h
+        copies complete in the background; elsewhere they are complete on return)."""
+        if self.link_gbps is not None:
+            self.d2h.express.synchronize()
+
+    def count_activation_upload(self, nbytes: int) -> None:
+        """Record ``nbytes`` of stage input uploaded by the running job (see
+        :attr:`activation_bytes_per_stage`)."""
+        self._job_activation_bytes += nbytes
+
+    def _fold_activation_bytes(self) -> None:
+        nbytes, self._job_activation_bytes = self._job_activation_bytes, 0
+        if nbytes:
+            old = self.activation_bytes_per_stage
+            self.activation_bytes_per_stage = nbytes if old is None else 0.7 * old + 0.3 * nbytes
 
     def drain_downloads(self) -> None:
         """Wait until the gradient downloads in flight landed (and freed their stages)."""
@@ -364,9 +388,7 @@ class DeviceManager:
         state.add_jobs(1)
         with self._cv:
             self._queue.append(job)
-            running = self.cur_job
-            if running is not None and running.staged and self._queue[0] is job:
-                self._request(job)  # the next job: prepare it while the current one runs
+            self._advance_prefetch()  # it may be next in line: prepare it while others run
             self._cv.notify_all()
 
     def _request(self, job: _Job) -> None:
@@ -376,15 +398,38 @@ class DeviceManager:
             self._uploads.append(job)
             self._cv.notify_all()
 
+    def _advance_prefetch(self) -> None:
+        """Request the preparation of the next queued job that may be prepared now (caller holds
+        ``_cv``).
+
+        Jobs are prepared in queue order, one at a time, and only while the running job holds
+        its stage (it got its memory first). Past the first queued job, a job is prepared only
+        once every job before it was prepared with room to spare, up to :attr:`prefetch_depth`
+        jobs ahead: a preparation that found no room (or failed) stops the chain, so a job
+        uploading for itself never finds its memory taken by a later one.
+        """
+        running = self.cur_job
+        if running is None or not running.staged:
+            return
+        for depth, job in enumerate(self._queue):
+            if self.prefetch_depth is not None and depth >= self.prefetch_depth:
+                return
+            if job.prepare is None:
+                return
+            if job.ready is None:
+                self._request(job)
+                return
+            if not job.ready.is_set() or job.prepared is None or job.error is not None:
+                return  # still preparing, or no room for it: nothing behind it yet
+
     def prefetch_next(self) -> None:
-        """In a job that now holds its stage: start preparing the next queued job."""
+        """In a job that now holds its stage: start preparing the next queued job(s)."""
         with self._cv:
             job = self.cur_job
             if job is None or threading.current_thread() is not self.controller_thread:
                 return
             job.staged = True
-            if self._queue:
-                self._request(self._queue[0])
+            self._advance_prefetch()
 
     def take_prepared(self, state: RunState | None = None) -> Any:
         """In a job: the result of its ``prepare`` (waiting for the uploader), or None when it
@@ -424,10 +469,12 @@ class DeviceManager:
                 job = self._queue.popleft()
                 self.cur_job = job
             thread.is_active = True  # type: ignore[attr-defined]
+            self._job_activation_bytes = 0
             try:
                 if not job.state.failed():
                     with self._job_scope():
                         job.fn(*job.args)
+                    self._fold_activation_bytes()
             except BaseException as exc:  # noqa: BLE001 - handed to the main thread
                 job.state.fail(exc, f"worker {thread.name} ({job.what})")
             finally:
@@ -465,22 +512,16 @@ class DeviceManager:
                 job.ready.set()
                 with self._cv:
                     self._uploading = None
+                    self._advance_prefetch()  # room to spare: the job behind it may go next
                     self._cv.notify_all()
 
     def _device_scope(self) -> contextlib.AbstractContextManager:
         """Make this device current (CUDA); nothing to set up on CPU."""
-        if not self.is_cuda:
-            return contextlib.nullcontext()
-        return torch.cuda.device(self.device)
+        return self.backend.device_scope()
 
     def _job_scope(self) -> contextlib.AbstractContextManager:
         """Jobs compute on this device's compute stream (CUDA); nothing to set up on CPU."""
-        if not self.is_cuda:
-            return contextlib.nullcontext()
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
-        stack.enter_context(torch.cuda.stream(self.compute_stream))
-        return stack
+        return self.backend.job_scope(self.compute_stream)
 
     def idle(self) -> bool:
         """Whether no job is queued or running and no transfer is in flight."""
@@ -619,12 +660,8 @@ def get_min_gpu_memory() -> float:
     for d in devs:
         if d.memory.budget is not None:
             sizes.append(d.memory.budget / GB)
-        elif d.is_cuda:
-            free, _ = torch.cuda.mem_get_info(d.device)
-            sizes.append(free / GB)
         else:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            sizes.append(total / len(devs) / GB)
+            sizes.append(d.backend.available_bytes(len(devs)) / GB)
     return min(sizes)
 
 

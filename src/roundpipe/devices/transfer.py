@@ -14,7 +14,13 @@ Where the copies go:
 * **CPU virtual devices**: host and device memory are the same, so a stage uses the host
   parameters in place (no copy) and hands its gradients over without a copy; activations and
   buffers (which layers may change in place) are copied. With a modelled link each transfer
-  still holds its copy engine for ``bytes / bandwidth`` (:mod:`roundpipe.devices.link`).
+  still holds its copy engine for ``bytes / bandwidth`` (:mod:`roundpipe.devices.link`): a stage
+  crosses layer by layer (each layer computes once its own parameters arrived), activations
+  leave for the host in the background (an upload of them waits for their arrival) and
+  :func:`prefetch_h2d` moves the next microbatch's inputs ahead.
+
+The functions here call the device's backend (:mod:`roundpipe.devices.backend`) for everything
+that differs between the two.
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ import torch
 from torch import nn
 
 from ..wrapping.attribute import ParamAttribute
+from .backend import set_slot
 from .device import DeviceManager
+from .virtual_backend import wait_arrived
 
 __all__ = [
     "CHUNK_UPLOAD_SIZE",
@@ -40,7 +48,9 @@ __all__ = [
     "chunked_upload",
     "download_layer",
     "download_layer_async",
+    "prefetch_h2d",
     "upload_layers",
+    "wait_arrived",
 ]
 
 # split CUDA parameter uploads larger than CHUNK_UPLOAD_SIZE bytes into copies of that size
@@ -69,66 +79,41 @@ def async_h2d(
         >>> y is x, bool((y == x).all()), tag
         (False, True, 'tag')
     """
-    out = []
-    nbytes = 0
-    with device.stream(device.upstream):
-        for t in host_tensors:
-            if isinstance(t, torch.Tensor):
-                d = t.detach().to(device.device, non_blocking=device.is_cuda, copy=True)
-                if device.is_cuda:  # allocated on the upload stream, consumed on compute
-                    d.record_stream(device.compute_stream)
-                nbytes += _nbytes(d)
-                if keep_requires_grad and t.requires_grad:
-                    d.requires_grad_(True)
-                out.append(d)
-            else:
-                out.append(t)
-    if device.is_cuda:
-        device.compute_stream.wait_stream(device.upstream)
-    else:
-        device.hold_link(device.upstream, "h2d", "activations", nbytes)
-    return out
+    return device.backend.to_device(device, list(host_tensors), keep_requires_grad)
 
 
 def async_d2h(
     device: DeviceManager, device_tensors: Iterable[Any], keep_requires_grad: bool = False
 ) -> list[Any]:
-    """Copy tensors to host memory (pinned on CUDA); the copies are complete on return.
+    """Copy tensors to host memory (pinned on CUDA); on return the copies are complete, except
+    on a virtual device with a modelled link, where they cross the link in the background and
+    :func:`async_h2d` (and :meth:`DeviceManager.wait_activation_copies`) wait for their arrival.
 
     Example:
         >>> from roundpipe.device import get_devices
         >>> async_d2h(get_devices()[0], [torch.ones(2), 3])
         [tensor([1., 1.]), 3]
     """
-    out = []
-    if not device.is_cuda:
-        nbytes = 0
-        for t in device_tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                d = t.detach()
-                nbytes += _nbytes(d)
-                out.append(d.requires_grad_(True) if keep_requires_grad and t.requires_grad else d)
-            elif isinstance(t, torch.Tensor):
-                out.append(t.detach().cpu())
-            else:
-                out.append(t)
-        device.hold_link(device.downstream, "d2h", "activations", nbytes)
-        return out
-    device.downstream.wait_stream(device.compute_stream)
-    with device.stream(device.downstream):
-        for t in device_tensors:
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t.detach(), non_blocking=True)
-                t.record_stream(device.downstream)
-                keep = keep_requires_grad and t.requires_grad
-                out.append(host.requires_grad_(True) if keep else host)
-            else:
-                out.append(t)
-    # host buffers are read next by other devices' streams / the CPU, which do not order
-    # against this download stream: finish the copies before handing them out
-    device.downstream.synchronize()
-    return out
+    return device.backend.to_host(device, list(device_tensors), keep_requires_grad)
+
+
+def prefetch_h2d(device: DeviceManager, host_tensors: Iterable[Any]) -> None:
+    """Start moving host tensors that ``device`` will upload next (the next microbatch's
+    stage input) across its link while it computes: the :func:`async_h2d` that later uploads
+    these very tensors to ``device`` waits for this transfer instead of making its own.
+
+    Only a CPU virtual device with a modelled link has something to start ahead (its copies
+    are real either way; the link time is what moves); elsewhere, and for tensors still on
+    their way to the host, this does nothing and the upload happens as before.
+
+    Example:
+        >>> from roundpipe.device import get_devices
+        >>> x = torch.ones(2)
+        >>> prefetch_h2d(get_devices()[0], [x])  # no link modelled: nothing to start
+        >>> bool((async_h2d(get_devices()[0], [x])[0] == x).all())
+        True
+    """
+    device.backend.prefetch_to_device(device, list(host_tensors))
 
 
 class _Skeleton:
@@ -190,10 +175,6 @@ def _release_skeleton(layer: nn.Module, sk: _Skeleton) -> None:
         _skeletons.setdefault(layer, []).append(sk)
 
 
-def _set_slot(mod: nn.Module, name: str, is_param: bool, value: torch.Tensor) -> None:
-    (mod._parameters if is_param else mod._buffers)[name] = value
-
-
 class StageOnDevice:
     """Device copies of one stage's layers, with the bytes they hold accounted on the device.
 
@@ -219,6 +200,8 @@ class StageOnDevice:
         self.nbytes = nbytes
         self.aliases_host = aliases_host
         self.ready: Any = None
+        self.hooks: list[Any] = []  # per-layer upload waits a backend installed (removed at free)
+        self.layer_ready: list[Any] = []  # their events, in layer order
         self._lock = threading.Lock()
         self._freed = False
 
@@ -228,10 +211,7 @@ class StageOnDevice:
         ready, self.ready = self.ready, None
         if ready is None:
             return
-        if self.device.is_cuda:
-            self.device.compute_stream.wait_event(ready)
-        else:
-            ready.synchronize()
+        self.device.backend.wait_ready(self.device, self, ready)
 
     def free(self) -> None:
         """Drop the device tensors (skeleton slots back to meta) and release the account."""
@@ -239,9 +219,13 @@ class StageOnDevice:
             if self._freed:
                 return
             self._freed = True
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+        self.layer_ready.clear()
         for layer, sk in zip(self.host_layers, self.skeletons):
             for mod, name, is_param, _, placeholder in sk.slots:
-                _set_slot(mod, name, is_param, placeholder)
+                set_slot(mod, name, is_param, placeholder)
             _release_skeleton(layer, sk)
         self.host_to_dev.clear()
         if self.nbytes:
@@ -275,40 +259,6 @@ def _h2d_param(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     for i in range(0, src.numel(), step):
         dst[i : i + step].copy_(src[i : i + step], non_blocking=True)
     return data
-
-
-def _upload_cuda(device: DeviceManager, stage: StageOnDevice) -> Any:
-    """Issue the stage's copies on ``param_upstream``; return the event that completes them."""
-    with torch.cuda.device(device.device), torch.cuda.stream(device.param_upstream):
-        for sk in stage.skeletons:
-            for mod, name, is_param, host, _ in sk.slots:
-                dev = stage.host_to_dev.get(id(host))
-                if dev is None:
-                    data = _h2d_param(host, device.device)
-                    # allocated on the upload stream, used (and freed after) on compute
-                    data.record_stream(device.compute_stream)
-                    dev = nn.Parameter(data, requires_grad=host.requires_grad) if is_param else data
-                    stage.host_to_dev[id(host)] = dev
-                _set_slot(mod, name, is_param, dev)
-        ready = torch.cuda.Event()
-        ready.record(device.param_upstream)
-    return ready
-
-
-def _use_in_place(stage: StageOnDevice) -> None:
-    """CPU virtual devices: parameters are the host tensors themselves (host memory is device
-    memory); buffers are copied, since layers update them in place (running statistics) and
-    only a forward stage may write them back."""
-    for sk in stage.skeletons:
-        for mod, name, is_param, host, _ in sk.slots:
-            dev = stage.host_to_dev.get(id(host))
-            if dev is None:
-                if is_param:
-                    dev = nn.Parameter(host.detach(), requires_grad=host.requires_grad)
-                else:
-                    dev = host.detach().clone()
-                stage.host_to_dev[id(host)] = dev
-            _set_slot(mod, name, is_param, dev)
 
 
 def upload_layers(
@@ -353,7 +303,8 @@ def upload_layers(
         nbytes += sum(
             _nbytes(t) for t in unique.values() if isinstance(t, nn.Parameter) and t.requires_grad
         )
-    stage = StageOnDevice(device, list(layers), skeletons, 0, aliases_host=not device.is_cuda)
+    backend = device.backend
+    stage = StageOnDevice(device, list(layers), skeletons, 0, aliases_host=backend.aliases_host)
     if not device.memory.try_allocate(nbytes):
         device.drain_downloads()  # stages still landing their gradients free their bytes
         if not device.memory.try_allocate(nbytes):
@@ -368,19 +319,14 @@ def upload_layers(
     stage.nbytes = nbytes
     try:
         with _param_locks(layer_attrs), torch.no_grad():
-            if device.is_cuda:
-                stage.ready = _upload_cuda(device, stage)
-                # the optimizer's copy-back must not overwrite host memory mid-DMA: the copies
-                # complete before the layers' param_lock is released (on the uploader thread
-                # this waits beside the computing worker)
-                stage.ready.synchronize()
-            else:
-                _use_in_place(stage)
-        if not device.is_cuda and device.link_gbps is not None:
-            if prefetch:
-                stage.ready = device.param_upstream.submit("upload", what, copy_bytes)
-            else:
-                device.param_upstream.hold("upload", what, copy_bytes)
+            # the optimizer's copy-back must not overwrite host memory mid-copy: the backend's
+            # copies are complete (or need no host memory) when the locks are released
+            stage.ready = backend.fill_stage(
+                device, stage, lambda host: _h2d_param(host, device.device)
+            )
+        ready = backend.after_fill(device, stage, copy_bytes, what, prefetch)
+        if ready is not None:
+            stage.ready = ready
     except BaseException:
         stage.free()
         raise
@@ -419,14 +365,13 @@ def _collect(
             if not is_param:
                 if with_buffer:
                     with torch.no_grad():
-                        host.copy_(dev.to("cpu") if device.is_cuda else dev)
+                        host.copy_(device.backend.buffer_to_host(device, dev))
                     buffer_bytes += _nbytes(dev)
                 continue
             if with_grad and dev.grad is not None:
                 grads.append((host, dev.grad))
                 dev.grad = None
-    if not device.is_cuda:
-        device.hold_link(device.downstream, "d2h", f"buffers {what}", buffer_bytes)
+    device.backend.after_buffers(device, what, buffer_bytes)
     return grads
 
 
@@ -440,11 +385,7 @@ def download_layer(
     """Copy buffers (e.g. running statistics) and accumulate gradients back to the host; the
     data is on the host on return."""
     grads = _collect(stage, device, with_buffer, with_grad, what)
-    if device.is_cuda:
-        grads = [(host, g.to("cpu")) for host, g in grads]
-    else:
-        nbytes = sum(_nbytes(g) for _, g in grads)
-        device.hold_link(device.grad_downstream, "download", what, nbytes)
+    grads = device.backend.grads_to_host(device, grads, what)
     for host, g in grads:
         _accumulate(host, g)
 
@@ -472,22 +413,7 @@ def download_layer_async(
     try:
         grads = _collect(stage, device, with_buffer, with_grad, what)
         nbytes = sum(_nbytes(g) for _, g in grads)
-        copied: Any = None
-        if device.is_cuda:
-            device.grad_downstream.wait_stream(device.compute_stream)
-            with torch.cuda.device(device.device), torch.cuda.stream(device.grad_downstream):
-                landing = []
-                for host, g in grads:
-                    buf = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
-                    buf.copy_(g, non_blocking=True)
-                    g.record_stream(device.grad_downstream)  # freed while the copy may run
-                    landing.append((host, buf))
-                copied = torch.cuda.Event()
-                copied.record(device.grad_downstream)
-            grads = landing
-            lane = device.d2h.bulk
-        else:
-            lane = device.grad_downstream
+        grads, copied, lane = device.backend.start_grad_download(device, grads)
     except BaseException as exc:
         stage.free()
         on_done(exc)

@@ -20,7 +20,13 @@ forward itself and get no preset.
 
 Attributes:
     SUPPORTED_MODELS: ``config.model_type`` -> preset module path.
-    DISABLE_TORCH_COMPILE: presets never call ``torch.compile`` (kept for API parity).
+    DISABLE_TORCH_COMPILE: whether the presets' blocks skip ``torch.compile``: ``True`` never
+        compiles, ``False`` always compiles, ``None`` (default) compiles on CUDA devices and, on
+        CPU virtual devices, only with ``ROUNDPIPE_TORCH_COMPILE=1`` (read at each call; see
+        :mod:`roundpipe.models.kernels`).
+    PREFER_SDPA: presets switch a model whose attention is unset or ``"eager"`` to SDPA
+        (``torch.nn.functional.scaled_dot_product_attention``: FlashAttention / memory-efficient
+        kernels on CUDA). Set it to False before wrapping to keep eager attention.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import importlib
 import sys
 from typing import Any
 
-__all__ = ["DISABLE_TORCH_COMPILE", "SUPPORTED_MODELS", "find_preset", "wrap_model"]
+__all__ = ["DISABLE_TORCH_COMPILE", "PREFER_SDPA", "SUPPORTED_MODELS", "find_preset", "wrap_model"]
 
-DISABLE_TORCH_COMPILE = True
+DISABLE_TORCH_COMPILE: bool | None = None
+PREFER_SDPA = True
 SUPPORTED_MODELS: dict[str, str] = {
     "llama": "roundpipe.models.llama",
     "qwen3": "roundpipe.models.qwen3",
@@ -66,14 +73,22 @@ def peft_base_model(model: Any) -> tuple[bool, Any]:
     return inner is not model, inner
 
 
+def generic_model_types() -> frozenset[str]:
+    """The model types the generic preset takes (:mod:`roundpipe.models.generic`)."""
+    return importlib.import_module("roundpipe.models.generic").GENERIC_MODEL_TYPES
+
+
 def find_preset(model: Any) -> Any | None:
     """The preset module for ``model`` (or for the model inside a PEFT adapter wrapper), or
     ``None`` if its family is not supported."""
     _, inner = peft_base_model(model)
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
-    if model_type not in SUPPORTED_MODELS:
-        return None
-    return importlib.import_module(SUPPORTED_MODELS[model_type])
+    if model_type in SUPPORTED_MODELS:
+        return importlib.import_module(SUPPORTED_MODELS[model_type])
+    generic = importlib.import_module("roundpipe.models.generic")
+    if model_type in generic.GENERIC_MODEL_TYPES and generic.is_llama_style(inner):
+        return generic
+    return None
 
 
 def wrap_model(model: Any, **roundpipe_kwargs: Any) -> Any:
@@ -93,10 +108,11 @@ def wrap_model(model: Any, **roundpipe_kwargs: Any) -> Any:
     if preset is None:
         model_type = getattr(getattr(inner, "config", None), "model_type", None)
         raise NotImplementedError(
-            f"no RoundPipe preset for model type {model_type!r}; "
-            f"supported: {sorted(SUPPORTED_MODELS)}"
+            f"no RoundPipe preset for model type {model_type!r}; supported: "
+            f"{sorted(SUPPORTED_MODELS)} and, through the generic preset, "
+            f"{len(generic_model_types())} Llama-style types (roundpipe.models.generic)"
         )
-    if type(inner).__name__ not in preset.MODEL_CLASSES:
+    if preset.MODEL_CLASSES is not None and type(inner).__name__ not in preset.MODEL_CLASSES:
         raise NotImplementedError(
             f"the {preset.__name__} preset supports {preset.MODEL_CLASSES}, "
             f"got {type(inner).__name__}"

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import call_decoder_layer, prefer_sdpa
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy_sum, shift_targets
 
 # Keywords PeftModel.forward handles itself (per-sample adapters) before calling the model.
@@ -100,7 +101,13 @@ class DecoderEmbed(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One transformer block with its own mask and rotary embedding computation."""
+    """One transformer block with its own mask and rotary embedding computation.
+
+    The Hugging Face layer runs through ``torch.compile`` when the presets compile (see
+    :mod:`roundpipe.models.kernels`) and ``compile_layer`` is True.
+    """
+
+    compile_layer = True
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, sliding: bool) -> None:
         super().__init__()
@@ -115,9 +122,7 @@ class DecoderBlock(nn.Module):
         """The wrapped Hugging Face decoder layer on one microbatch."""
         mask = causal_mask(self.config, hidden, attention_mask, position_ids, self.sliding)
         pe = self.rotary_emb(hidden, position_ids)
-        return self.layer(
-            hidden, attention_mask=mask, position_ids=position_ids, position_embeddings=pe
-        )
+        return call_decoder_layer(self.layer, hidden, mask, position_ids, pe, self.compile_layer)
 
     def forward(
         self,
@@ -213,7 +218,9 @@ def decoder_blocks(model: nn.Module, block_cls: type[DecoderBlock] = DecoderBloc
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """Layer list of a Llama-style ``*ForCausalLM``."""
+    """Layer list of a Llama-style ``*ForCausalLM`` (switched to SDPA attention, see
+    :func:`~roundpipe.models.kernels.prefer_sdpa`)."""
+    prefer_sdpa(model)
     base = model.model
     return [
         DecoderEmbed(base.embed_tokens),

@@ -13,6 +13,7 @@ from torch import nn
 
 from .causal_lm import CausalLMRoundPipe
 from .decoder import DecoderEmbed, DecoderHead, causal_mask
+from .kernels import call_gpt2_block, prefer_sdpa
 
 MODEL_CLASSES = ("GPT2LMHeadModel",)
 
@@ -45,7 +46,7 @@ class GPT2BlockLayer(nn.Module):
         extras: dict[str, Any],
     ) -> tuple:
         mask = causal_mask(self.config, hidden, attention_mask, position_ids)
-        out = self.block(hidden, attention_mask=mask)
+        out = call_gpt2_block(self.block, hidden, mask)
         hidden = out[0] if isinstance(out, tuple) else out
         return hidden, attention_mask, position_ids, extras
 
@@ -58,6 +59,7 @@ def wrap(
     ``root`` is the module the RoundPipe model stands for when it is not ``model`` itself
     (a PEFT model around it); the layers always come from ``model``.
     """
+    prefer_sdpa(model)
     t = model.transformer
     layers = [
         GPT2Embed(t.wte, t.wpe, t.drop),

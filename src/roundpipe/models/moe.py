@@ -20,8 +20,9 @@ the same value and the same gradients as the full batch in one piece.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from ..runtime.context import doing_recompute, get_recompute_data, save_for_recompute
 from .causal_lm import CausalLMRoundPipe
 from .decoder import DecoderBlock, DecoderHead
+from .routing import RoutingReplayError, ScoreFn, find_score_rule, is_topk_triple
 
 __all__ = [
     "MoECausalLMRoundPipe",
@@ -42,9 +44,9 @@ __all__ = [
     "router_aux_loss",
 ]
 
-# router class name -> scores of the chosen experts from (router, logits, indices), as its
-# forward computes them after its top-k
-ScoreFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# class names of the modules hooked as routers besides ROUTER_SCORES' (Mixtral's
+# MixtralTopKRouter, DeepSeek's DeepseekV3TopkRouter, HunYuan's HunYuanMoEV1Gate, ...)
+ROUTER_NAME = re.compile(r"(Router|Gate)$")
 
 
 def _softmax_then_topk_scores(router: nn.Module, logits: torch.Tensor, idx: torch.Tensor) -> Any:
@@ -92,22 +94,55 @@ def _routing_session(replay: tuple[torch.Tensor, ...] | None) -> Iterator[_Routi
 def _router_hook(router: nn.Module, args: Any, output: Any) -> Any:
     """Record (and in recompute, replay) one router call inside a preset MoE block."""
     session: _RoutingSession | None = getattr(_local, "session", None)
-    if session is None:  # the model used outside RoundPipe: leave it alone
+    if session is None or not is_topk_triple(output):  # outside RoundPipe, or not a top-k call
         return None
     logits, scores, idx = output
+    rule = score_rule(router, logits, scores, idx, session.replay is not None)
     if session.replay is not None:
         k = len(session.logits)
         if k >= len(session.replay):
             raise RuntimeError("a MoE block called its routers more often in recompute")
-        idx = session.replay[k].to(idx.device)
-        scores = ROUTER_SCORES[type(router).__name__](router, logits, idx)
+        saved = session.replay[k].to(idx.device)
+        if rule is not None:
+            idx = saved
+            scores = rule(router, logits, idx)
+        elif not torch.equal(saved, idx):
+            raise RoutingReplayError(
+                f"router {type(router).__name__} chose other experts in recompute than in "
+                "forward, and RoundPipe knows no rule to recompute its scores at the forward's "
+                "choice: add one to roundpipe.models.moe.ROUTER_SCORES"
+            )
     session.logits.append(logits)
     session.indices.append(idx.detach())
     return logits, scores, idx
 
 
+# router class name -> its rule as found on the first call (None: no rule reproduces it)
+_FOUND_RULES: dict[str, ScoreFn | None] = {}
+
+
+def score_rule(
+    router: nn.Module, logits: Any, scores: Any, idx: Any, replaying: bool
+) -> ScoreFn | None:
+    """The score rule of ``router``: the preset's (:data:`ROUTER_SCORES`), else the one found
+    on its first forward call (:func:`~roundpipe.models.routing.find_score_rule`)."""
+    name = type(router).__name__
+    if name in ROUTER_SCORES:
+        return ROUTER_SCORES[name]
+    if name not in _FOUND_RULES and not replaying:
+        _FOUND_RULES[name] = find_score_rule(router, logits, scores, idx)
+    return _FOUND_RULES.get(name)
+
+
+def is_router(module: nn.Module) -> bool:
+    """Whether ``module`` looks like a transformers router (a preset's router class, or a class
+    named ``...Router``/``...Gate``); its hook acts only on calls returning a top-k triple."""
+    name = type(module).__name__
+    return name in ROUTER_SCORES or ROUTER_NAME.search(name) is not None
+
+
 def install_router_hooks(model: nn.Module) -> int:
-    """Hook every known top-k router of ``model`` (once); returns how many it has.
+    """Hook every router of ``model`` (once); returns how many it has.
 
     Example:
         >>> install_router_hooks(nn.Linear(2, 2))
@@ -115,7 +150,7 @@ def install_router_hooks(model: nn.Module) -> int:
     """
     n = 0
     for module in model.modules():
-        if type(module).__name__ not in ROUTER_SCORES:
+        if not is_router(module):
             continue
         n += 1
         if not getattr(module, "_roundpipe_router_hooked", False):
@@ -188,7 +223,14 @@ STATS_FIELDS = ("expert_tokens", "expert_probs", "routed_rows")
 class MoEDecoderBlock(DecoderBlock):
     """A decoder block whose routers' choices are saved in forward and replayed in
     recompute; it adds its routers' statistics to ``extras["router_stats"]`` when the call
-    wants the router loss (``output_router_logits``)."""
+    wants the router loss (``output_router_logits``).
+
+    ``router_loss`` is False for models whose transformers forward adds no load-balancing
+    loss: their routing is replayed all the same.
+    """
+
+    router_loss = True
+    compile_layer = False  # routing replay has Python side effects: the layer runs eagerly
 
     def __init__(self, layer: nn.Module, rotary_emb: nn.Module, config: Any, sliding: bool) -> None:
         super().__init__(layer, rotary_emb, config, sliding)
@@ -209,9 +251,9 @@ class MoEDecoderBlock(DecoderBlock):
         replay = self._replay()
         with _routing_session(replay) as session:
             hidden = self.run_layer(hidden, attention_mask, position_ids)
-        if replay is None and session.indices:
+        if replay is None and self.num_routers:
             save_for_recompute(*session.indices)  # no-op unless RoundPipe keeps a backward
-        if wants_router_loss(extras, self.config):
+        if self.router_loss and wants_router_loss(extras, self.config):
             stats = add_router_stats(
                 extras.get("router_stats"),
                 session.logits,

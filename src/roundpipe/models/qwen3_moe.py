@@ -11,13 +11,16 @@ from typing import Any
 from torch import nn
 
 from .decoder import DecoderEmbed, decoder_blocks
+from .kernels import prefer_sdpa
 from .moe import MoECausalLMRoundPipe, MoEDecoderBlock, MoEDecoderHead
 
 MODEL_CLASSES = ("Qwen3MoeForCausalLM",)
 
 
 def moe_decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """Layer list of a Llama-style mixture-of-experts ``*ForCausalLM``."""
+    """Layer list of a Llama-style mixture-of-experts ``*ForCausalLM`` (switched to SDPA
+    attention where the model supports it, see :func:`~roundpipe.models.kernels.prefer_sdpa`)."""
+    prefer_sdpa(model)
     base = model.model
     return [
         DecoderEmbed(base.embed_tokens),

@@ -12,6 +12,16 @@ after the same fences the job would pass (prefetch, ``ROUNDPIPE_PREFETCH``, on b
 fit beside the running one uploads when it starts). A stage with gradients hands them to the
 device's d2h engine and returns: they land on the host while the next stage computes, and the run
 is not finished (``RunState.join``) until they have.
+
+Recompute (``recompute_grain``): forward stages run without autograd and backward recomputes.
+``"stage"`` keeps each backward stage's input and recomputes the whole stage with autograd
+recording, so all its layers' activations are on the device at once. ``"layer"`` keeps every
+layer's input on the host (copied there as forward produces it) and recomputes each layer once,
+last to first, right before its backward: one layer's activations at a time.
+
+Memory: CUDA devices are measured by their allocator; on CPU virtual devices
+``ROUNDPIPE_ACCOUNT_ACTIVATIONS=1`` accounts the activations of each stage job on the device's
+``MemoryAccount`` beside the parameters (:mod:`roundpipe.runtime.activations`).
 """
 
 from __future__ import annotations
@@ -35,8 +45,10 @@ from ..devices.transfer import (
     async_h2d,
     download_layer,
     download_layer_async,
+    prefetch_h2d,
     upload_layers,
 )
+from .activations import ActivationAccount, accounting_enabled
 from .batch import Batch
 from .context import ForwardCtx, RecomputeCtx
 from .plan import ModelExecutePlan, ModelTracker, PipelineModel
@@ -54,6 +66,8 @@ __all__ = [
 ]
 
 _cpu_rng_lock = threading.RLock()
+# the activation account of the stage job running on this (worker) thread, if any
+_job_account = threading.local()
 
 # a boundary state: (leaves, treespec, is_call_args); is_call_args marks the (args, kwargs)
 # of the first layer, otherwise the value is the previous layer's output.
@@ -80,18 +94,14 @@ def _run_chain(
     layers: list[torch.nn.Module],
     state: State,
     call: LayerCall,
-    boundary: list[State] | None = None,
 ) -> tuple[Any, list[Any], Any]:
     """Run ``layers`` in order, each on the previous one's output; the first gets ``state``.
 
-    Returns the last output with its flattened leaves and spec. ``boundary`` (if given)
-    collects the input state of every layer.
+    Returns the last output with its flattened leaves and spec.
     """
     h, hs, ha = state
     out = None
     for li, layer in zip(layer_ids, layers):
-        if boundary is not None:
-            boundary.append((h, hs, ha))
         out = call(li, layer, h, hs, ha)
         h, hs = pytree.tree_flatten(out)
         ha = False
@@ -126,7 +136,7 @@ class RoundPipeRunContext:
             if layer_id in self.recompute_data:
                 raise RuntimeError(f"save_for_recompute called twice by layer {layer_id}")
             leaves, spec = pytree.tree_flatten(data)
-            self.recompute_data[layer_id] = pytree.tree_unflatten(async_d2h(device, leaves), spec)
+            self.recompute_data[layer_id] = pytree.tree_unflatten(_to_host(device, leaves), spec)
 
     def cut_recompute_data(self, layer_id: int) -> Any:
         """Retrieve and forget the data saved by ``layer_id``."""
@@ -207,6 +217,11 @@ class RoundPipeRun:
         # autocast is thread-local: the caller's regions are re-entered by every stage job,
         # backward ones included (their recompute must cast as the forward did)
         self.autocast = _caller_autocast()
+        # account activations on CPU virtual devices (ROUNDPIPE_ACCOUNT_ACTIVATIONS); read once
+        self.account_activations = accounting_enabled()
+        # layer grain: forward keeps every (recomputed) layer's input, backward recomputes
+        # each layer once from it
+        self.layer_grain = config.recompute_grain == "layer"
 
     # -- helpers used by stage jobs --------------------------------------------------------
     @contextlib.contextmanager
@@ -353,7 +368,7 @@ def _stage_on(
         stage.wait_ready()
         start = time.perf_counter()
         timed = run.timer.time_bwd(layers, device.compute_stream) if with_grad else None
-        with timed or contextlib.nullcontext():
+        with timed or contextlib.nullcontext(), _accounting(run, device, what):
             yield stage
         device.trace.append(TraceRecord("compute", what, start, time.perf_counter()))
         if with_grad and stage.aliases_host:
@@ -380,6 +395,47 @@ def _stage_on(
             stage.free()
 
 
+@contextlib.contextmanager
+def _accounting(run: RoundPipeRun, device: DeviceManager, what: str) -> Iterator[None]:
+    """Account the activations of a stage's compute on a CPU virtual device's memory when the
+    run asks for it (see :mod:`roundpipe.runtime.activations`); what is still counted at the
+    end (gradients, outputs) leaves the device with the stage."""
+    if not run.account_activations or device.is_cuda:
+        yield
+        return
+    account = ActivationAccount(device.memory, what)
+    _job_account.current = account
+    try:
+        with account:
+            yield
+    finally:
+        _job_account.current = None
+        account.release_all()
+
+
+def _to_host(device: DeviceManager, leaves: Sequence[Any], copy: bool = False) -> list[Any]:
+    """:func:`async_d2h` of ``leaves``, no longer counted on the device's activation account.
+
+    A CPU virtual device hands its tensors to the host without a copy; ``copy`` makes a real
+    one there, for tensors the device keeps using (a layer input kept for recompute while the
+    layer computes on it, which may also change it in place).
+    """
+    if copy and not device.is_cuda:
+        leaves = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in leaves]
+    out = async_d2h(device, leaves)
+    account: ActivationAccount | None = getattr(_job_account, "current", None)
+    if account is not None:
+        account.release(out)
+    return out
+
+
+def _grads_handed_over(layers: Sequence[torch.nn.Module]) -> None:
+    """Parameter gradients already accounted with the stage upload: not activations."""
+    account: ActivationAccount | None = getattr(_job_account, "current", None)
+    if account is not None:
+        account.release(p.grad for layer in layers for p in layer.parameters())
+
+
 def _save_fn(
     run: RoundPipeRun, ctx: RoundPipeRunContext, layer_id: int, device: DeviceManager
 ) -> Callable[..., None]:
@@ -403,9 +459,9 @@ def _forward_layer(
     input is already on the host.
     """
     m = ctx.microbatch_id
-    if run.enable_grad and run.tracker.backward_need_input(li):
+    if run.enable_grad and (run.layer_grain or run.tracker.backward_need_input(li)):
         host_leaves, first = stage_input
-        host = host_leaves if li == first else async_d2h(device, x)
+        host = host_leaves if li == first else _to_host(device, x, copy=True)
         ctx.save_input(li, (host, spec, is_args))
     fwd_ctx = ForwardCtx(_save_fn(run, ctx, li, device)) if run.enable_grad else None
     with (
@@ -427,6 +483,24 @@ def _output_events(device: DeviceManager, with_backward: bool) -> tuple[Any, Any
     return event, (event if with_backward else None)
 
 
+def _prefetch_inputs(run: RoundPipeRun, device: DeviceManager, kind: str, gid: int, m: int) -> None:
+    """While microbatch ``m`` computes in group ``gid`` (of ``kind``): start moving the next
+    microbatch's stage input, and in the fused stage this microbatch's label, across the
+    device's link (:func:`~roundpipe.devices.transfer.prefetch_h2d`; only a CPU virtual device
+    with a modelled link has anything to start)."""
+    if device.link_gbps is None:
+        return
+    nxt, leaves = m + 1, []
+    if kind == "backward" and nxt < run.num_microbatch:
+        saved = run.contexts[nxt].saved_inputs.get(run.plan.bwd_plan[gid].start)
+        leaves += saved[0] if saved is not None else []
+    elif kind != "backward" and nxt < run.num_microbatch and run.tracker.forward_ready(gid, nxt):
+        leaves += run.states[nxt][0]
+    if kind == "fused":
+        leaves += pytree.tree_leaves(run.batch.label_list[m])
+    prefetch_h2d(device, leaves)
+
+
 def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
     """Forward one layer group over all microbatches (no autograd graph is kept)."""
     layers = run.plan.fwd_plan[layer_group_id]
@@ -439,8 +513,10 @@ def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -
                 run.batch.wait_forward_events(m, run.state)
             forward = functools.partial(_forward_layer, run, device, ctx, (leaves, layers.start))
             state = (async_h2d(device, leaves), spec, is_args)
+            _prefetch_inputs(run, device, "forward", layer_group_id, m)
             _, x, spec = _run_chain(layers, stage.layers, state, forward)
-            run.states[m] = (async_d2h(device, x), spec, False)
+            run.states[m] = (_to_host(device, x), spec, False)
+            del x, state  # the device copies: free before the next microbatch
             if layer_group_id == len(run.plan.fwd_plan) - 1:
                 run.batch.output_events[m] = _output_events(device, run.enable_grad)
             run.tracker.forward_notify(layer_group_id)
@@ -507,9 +583,11 @@ def _backward_inputs(
     stage: StageOnDevice,
     wait: Callable[[int], None],
     host_state: Callable[[RoundPipeRunContext], State],
+    upload: bool = True,
 ) -> Iterator[tuple[RoundPipeRunContext, State]]:
     """Per microbatch in order, once ``wait(m)`` returned: its context and its stage input
-    (``host_state(ctx)``) uploaded, leaves needing gradients marked.
+    (``host_state(ctx)``) uploaded, leaves needing gradients marked (with ``upload=False``, the
+    host state itself: the caller uploads it when it needs it).
 
     Once microbatch 0 arrived, a stage holding its own copy of the parameters (CUDA) signals
     that this run's backward has it: by then every forward stage of this run uploaded these
@@ -528,42 +606,82 @@ def _backward_inputs(
         if state[2]:  # the caller's inputs, read (again) here: packed ones may be in flight
             run.batch.wait_forward_events(m, run.state)
             run.batch.wait_backward_events(m, run.state)
+        if not upload:
+            yield ctx, state
+            continue
         yield ctx, (_prepare_inputs(run, device, layers, m, state), state[1], state[2])
 
 
 def run_backward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
-    """Recompute one backward layer group from its saved input and back-propagate."""
+    """Recompute one backward layer group from its saved input(s) and back-propagate.
+
+    Stage grain recomputes the group from its input with autograd recording, then runs its
+    backward; layer grain walks the layers last to first, recomputing each once from the input
+    forward saved for it, so only one layer's activations are on the device at a time.
+    """
     layers = run.plan.bwd_plan[layer_group_id]
     wait = functools.partial(run.tracker.backward_wait_for, layer_group_id)
+    by_layer = run.layer_grain
 
     def saved(ctx: RoundPipeRunContext) -> State:
+        if by_layer:  # a peek: the layer's own step takes it
+            return ctx.saved_inputs[layers.start]
         return ctx.saved_inputs.pop(layers.start)
 
     with _stage_on(device, run, layers, "backward") as stage:
-        for ctx, state in _backward_inputs(run, device, layers, stage, wait, saved):
-            grads_out = ctx.grad_states
-            x = state[0]
-            recompute = functools.partial(_recompute_layer, run, device, ctx)
-            if run.config.recompute_grain == "stage":
+        for ctx, state in _backward_inputs(
+            run, device, layers, stage, wait, saved, upload=not by_layer
+        ):
+            _prefetch_inputs(run, device, "backward", layer_group_id, ctx.microbatch_id)
+            if by_layer:
+                x = _backward_by_layer(run, device, layers, stage, ctx)
+            else:
+                recompute = functools.partial(_recompute_layer, run, device, ctx)
                 with torch.enable_grad():
                     _, h, _ = _run_chain(layers, stage.layers, state, recompute)
-                _backward(h, grads_out)
-            else:
-                boundary: list[State] = []
-                with torch.no_grad():
-                    _run_chain(layers, stage.layers, state, recompute, boundary)
-                g = grads_out
-                for k in reversed(range(len(layers))):
-                    bh, bs, ba = boundary[k]
-                    if k > 0:
-                        bh = [t.detach().requires_grad_(True) if _is_float(t) else t for t in bh]
-                    with torch.enable_grad():
-                        out = recompute(layers[k], stage.layers[k], bh, bs, ba)
-                    _backward(pytree.tree_leaves(out), g)
-                    g = _input_grads(bh)
-                x = boundary[0][0]
-            ctx.grad_states = async_d2h(device, _input_grads(x))
+                _backward(h, ctx.grad_states)
+                del h
+                _grads_handed_over(stage.layers)
+                for li in layers:
+                    ctx.cut_recompute_data(li)
+                x = state[0]
+            ctx.grad_states = _to_host(device, _input_grads(x))
+            del x
             run.tracker.backward_notify(layer_group_id)
+
+
+def _backward_by_layer(
+    run: RoundPipeRun,
+    device: DeviceManager,
+    layers: range,
+    stage: StageOnDevice,
+    ctx: RoundPipeRunContext,
+) -> list[Any]:
+    """Layer grain backward of one microbatch: for each layer, last first, upload the input
+    forward saved for it, recompute the layer once with autograd, back-propagate the gradients
+    of its outputs and drop everything but its input gradients. Returns the stage input (whose
+    ``.grad`` holds the stage's input gradients)."""
+    m = ctx.microbatch_id
+    grads = ctx.grad_states
+    x: list[Any] = []
+    for k in reversed(range(len(layers))):
+        li = layers[k]
+        host, spec, is_args = ctx.saved_inputs.pop(li)
+        if k == 0:
+            x = _prepare_inputs(run, device, layers, m, (host, spec, is_args))
+        else:
+            x = async_h2d(device, host)
+            for t in x:
+                if _is_float(t):
+                    t.requires_grad_(True)
+        with torch.enable_grad():
+            out = _recompute_layer(run, device, ctx, li, stage.layers[k], x, spec, is_args)
+        _backward(pytree.tree_leaves(out), grads)
+        del out
+        _grads_handed_over(stage.layers[k : k + 1])
+        ctx.cut_recompute_data(li)
+        grads = _input_grads(x)
+    return x
 
 
 def _fused_layer(
@@ -595,6 +713,7 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
     with _stage_on(device, run, layers, "fused") as stage:
         for ctx, state in _backward_inputs(run, device, layers, stage, wait, current):
             m = ctx.microbatch_id
+            _prefetch_inputs(run, device, "fused", fwd_gid, m)
             x = state[0]
             fused = functools.partial(_fused_layer, run, device, m)
             with torch.enable_grad():
@@ -615,16 +734,18 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
                 if not isinstance(loss, torch.Tensor)
                 else loss.detach().to("cpu")
             )
+            del out, loss, losses
+            _grads_handed_over(stage.layers)
             if run.return_outputs:
                 ctx.outputs = (
-                    async_d2h(
-                        device, [t.detach() if isinstance(t, torch.Tensor) else t for t in h]
-                    ),
+                    _to_host(device, [t.detach() if isinstance(t, torch.Tensor) else t for t in h]),
                     hs,
                     False,
                 )
                 run.batch.output_events[m] = _output_events(device, True)
-            ctx.grad_states = async_d2h(device, _input_grads(x))
+            del h
+            ctx.grad_states = _to_host(device, _input_grads(x))
+            del x, state
             run.tracker.forward_notify(fwd_gid)
             run.tracker.backward_notify(0)
 

@@ -33,6 +33,12 @@ __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
 _OWN_ATTRS = {"model", "original_model", "name", "layer_attrs", "optim_dtype", "training"}
 
 
+def _activations_landed() -> None:
+    """The run's last activation copies to the host (outputs, input gradients) have landed."""
+    for d in get_devices():
+        d.wait_activation_copies()
+
+
 def _clear_grad(p: torch.Tensor, set_to_none: bool) -> None:
     """``torch.optim.Optimizer.zero_grad``'s reset of one gradient."""
     if p.grad is None:
@@ -439,6 +445,7 @@ class RoundPipe(RoundPipeBase):
             run = RoundPipeRun(self, cfg, batch, self._plan(cfg, "infer"), False, "inference")
             run.launch_forward(fused=False)
             run.join()
+            _activations_landed()
             return batch.dump(cfg, [pytree.tree_unflatten(s[0], s[1]) for s in run.states])
         if not torch.is_grad_enabled():
             raise RuntimeError(
@@ -519,6 +526,7 @@ class RoundPipe(RoundPipeBase):
         run.return_outputs = return_outputs
         run.launch_forward(fused=True)
         run.join()
+        _activations_landed()
         # gradients for caller tensors (e.g. outputs of an upstream RoundPipe model)
         ins, grads = [], []
         for m, g in enumerate(run.input_grads()):
