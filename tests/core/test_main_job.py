@@ -170,7 +170,8 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_fsdp_resume_continues_the_loss_curve(tmp_path):
-    """FSDP2 parameters and Adam state are DTensors: each rank saves its part, resume rebuilds them."""
+    """FSDP2 parameters and Adam state are DTensors: gathered whole into one Hugging Face
+    directory; resume re-shards them."""
     args = ["--target", "fsdp", "--model", "gpt2", "--batch-size", "2", "--seq-len", "16",
             "--no-progress"]  # fmt: skip
     losses = {}
@@ -186,7 +187,8 @@ def test_torchrun_fsdp_resume_continues_the_loss_curve(tmp_path):
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
         assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
         losses[name] = json.loads((out / "metrics.json").read_text())["losses"]
-    assert sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt.rank0", "ckpt.rank1"]
+    assert [p.name for p in tmp_path.glob("ckpt*")] == ["ckpt"]  # one directory, no ckpt.rank<r>
+    assert (tmp_path / "ckpt" / "config.json").is_file()
     # Exact: both runs launch the same way and resuming restores every bit of the state
     assert losses["rest"] == losses["full"]
 

@@ -28,8 +28,8 @@ def test_the_token_cache_is_reused_on_the_second_run(tmp_path, llama_dir, monkey
     assert first["from_cache"] is False and cache.is_file()
     stamp = cache.stat().st_mtime_ns
     calls = []
-    real = token_cache_module.tokenize
-    monkeypatch.setattr(token_cache_module, "tokenize", lambda *a: calls.append(a) or real(*a))
+    real = token_cache_module._write  # tokenizes the files into the cache
+    monkeypatch.setattr(token_cache_module, "_write", lambda *a: calls.append(a) or real(*a))
     second = train(TrainConfig(**cfg))
     assert second["from_cache"] is True and calls == []  # tokenized nothing
     assert second["token_cache"] == str(cache) and cache.stat().st_mtime_ns == stamp

@@ -275,6 +275,8 @@ def load_checkpoint(
                 t = own[k]
                 part = layout.local(k, t, reader.get(file, key))
                 (t.to_local() if isinstance(t, DTensor) else t).copy_(part)
+        if layout.after_load is not None:
+            layout.after_load()
         if view is not None:
             assert meta is not None
             tensor_files = meta["files"]

@@ -8,7 +8,11 @@ user's model. :func:`model_layout` describes how one rank holds such a model:
   ``module``;
 * a pipeline engine (anything with ``stage_modules``): only its stages' tensors, under the
   user's names; a weight tied across stages is stored once, under the name the whole model
-  stores it by; only data-parallel rank 0 of each replica group (``dp_rank``) writes.
+  stores it by; only data-parallel rank 0 of each replica group (``dp_rank``) writes;
+* a RoundPipe model (anything with ``optim_named_parameters``): the user's model it wraps holds
+  the weights; its optimizer steps RoundPipe's own copies of them, which stand for the
+  parameters of the same names (:attr:`ModelLayout.optim_names`) and follow loaded weights
+  (:attr:`ModelLayout.after_load`).
 
 The ranks agree on who writes what through :func:`all_gather_json` (JSON in byte tensors:
 torch's object collectives pickle, and a checkpoint load must never unpickle).
@@ -39,6 +43,7 @@ from .format import CheckpointError
 __all__ = [
     "ModelLayout",
     "agree",
+    "holds_layout",
     "all_gather_json",
     "all_reduce_max",
     "full_state_dict",
@@ -158,6 +163,10 @@ class ModelLayout:
         aliases: ``{duplicate name: stored name}`` for tied entries, across stages too.
         writes: this rank writes its share (data-parallel rank 0 of a pipeline replica).
         uniform: every rank holds every tensor (no pipeline stages).
+        optim_names: ``{id(tensor): stored name}`` for tensors an optimizer steps in place of
+            the parameter of that name (RoundPipe's optimizer copies).
+        after_load: called once loaded weights are in the modules (the optimizer copies
+            follow them); None: nothing to do.
     """
 
     modules: list[nn.Module]
@@ -166,6 +175,8 @@ class ModelLayout:
     aliases: dict[str, str]
     writes: bool = True
     uniform: bool = True
+    optim_names: dict[int, str] = field(default_factory=dict)
+    after_load: Callable[[], None] | None = None
     _specs: dict[str, ShardSpec] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -193,7 +204,7 @@ class ModelLayout:
 
     def parameters(self) -> dict[int, str]:
         """``{id(parameter): stored name}`` for this rank's parameters (ties: the stored name)."""
-        names: dict[int, str] = {}
+        names: dict[int, str] = dict(self.optim_names)
         for mod in self.modules:
             for name, p in mod.named_parameters(remove_duplicate=False):
                 names.setdefault(id(p), self.aliases.get(name, name))
@@ -258,9 +269,54 @@ def _whole_model(engine: Any) -> nn.Module | None:
     return model if isinstance(model, nn.Module) else None
 
 
+def _is_roundpipe(model: Any) -> bool:
+    return callable(getattr(model, "optim_named_parameters", None)) and isinstance(
+        getattr(model, "model", None), nn.Module
+    )
+
+
+def holds_layout(engine: Any) -> bool:
+    """Whether ``engine`` (what ``slapo.build`` returned) holds its model in a layout of its own,
+    which a checkpoint must read from it rather than from the schedule's module: a pipeline
+    engine's stages, DeepSpeed's ZeRO partitions, RoundPipe's optimizer copies.
+
+    Example:
+        >>> holds_layout(nn.Linear(2, 2))
+        False
+    """
+    return (
+        hasattr(engine, "stage_modules")
+        or hasattr(engine, "zero_optimization_stage")
+        or _is_roundpipe(engine)
+    )
+
+
+def _roundpipe_layout(engine: Any) -> ModelLayout:
+    """A RoundPipe model: the weights are the wrapped user's model's (in host memory, updated
+    once pending steps finish); the optimizer steps RoundPipe's copies, by the same names."""
+    engine.synchronize()  # every launched step's values are in the model's parameters
+    module = engine.model
+    state = module.state_dict(keep_vars=True)
+    aliases = tied_aliases(state)
+    params = dict(module.named_parameters())
+    pairs = []
+    names: dict[int, str] = {}
+    for name, copy in engine.optim_named_parameters():
+        names[id(copy)] = aliases.get(name, name)
+        pairs.append((params[name], copy))
+
+    def refresh() -> None:
+        engine.synchronize()  # no step may copy older values back over the loaded weights
+        with torch.no_grad():
+            for param, copy in pairs:
+                copy.copy_(param)
+
+    return ModelLayout([module], module, None, aliases, optim_names=names, after_load=refresh)
+
+
 def model_layout(model: Any) -> ModelLayout:
-    """This rank's :class:`ModelLayout` of ``model``: a module, a DDP module, a DeepSpeed engine
-    or a pipeline engine (``stage_modules``, ``dp_rank``).
+    """This rank's :class:`ModelLayout` of ``model``: a module, a DDP module, a DeepSpeed engine,
+    a pipeline engine (``stage_modules``, ``dp_rank``) or a RoundPipe model.
 
     Example:
         >>> model_layout(engine).uniform    # a pipeline engine: each rank holds its stages
@@ -284,6 +340,8 @@ def model_layout(model: Any) -> ModelLayout:
         specs = getattr(model, "shard_specs", None) or {}
         layout._specs.update({k: v for k, v in specs.items() if v is not None})
         return layout
+    if _is_roundpipe(model):
+        return _roundpipe_layout(model)
     if hasattr(model, "zero_optimization_stage") or isinstance(
         model, nn.parallel.DistributedDataParallel
     ):

@@ -13,7 +13,8 @@ pipeline (``--target pipeline --num-stages N``) parallel.
 ``token_cache``   ``--data`` tokenized once, packed, memory-mapped from a cache file
 ``inputs``        :func:`prepare_inputs`: model, tokenizer and data resolved and checked first
 ``generic``       the generic plan, for a model type without a ready schedule
-``layout``        the process layout, and how the main job uses each build target
+``uses``          how the main job uses each build target (``TARGET_USES``)
+``layout``        the process layout, the build target and the schedule of a run
 ``loop``          :class:`Runner` and :func:`train`: one loop for every target
 ``memory``        :class:`PeakMemory`
 ``lr_schedule``   ``--lr-schedule`` / ``--warmup-steps``: the learning rate of every step
@@ -32,18 +33,24 @@ Example:
 from __future__ import annotations
 
 from .cli import add_parser
-from .config import TARGETS, InputError, TrainConfig
+from .config import InputError, TrainConfig
 from .inputs import RunInputs, prepare_inputs
 from .layout import Layout, setup_layout
 from .loop import Runner, make_batches, run_once, train
 from .memory import PeakMemory
 from .presets import MODELS, PRESETS, build_model, default_schedule
 from .report import format_summary, write_outputs
+from .uses import TARGET_USES, target_choices
+
+#: ``--target``'s choices (:func:`~slapo.train.uses.target_choices`: the registered build targets
+#: the main job has a use for).
+TARGETS = target_choices()
 
 __all__ = [
     "MODELS",
     "PRESETS",
     "TARGETS",
+    "TARGET_USES",
     "InputError",
     "Layout",
     "PeakMemory",
@@ -58,6 +65,7 @@ __all__ = [
     "prepare_inputs",
     "run_once",
     "setup_layout",
+    "target_choices",
     "train",
     "write_outputs",
 ]

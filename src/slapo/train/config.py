@@ -14,7 +14,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..exceptions import SlapoError
+from ..model_schedule import ATTN_OPS, CKPT_POLICIES, Knobs
+from ..primitives.compile_rng import RNG_MODES
 from .presets import MODELS, PRESETS
+from .uses import DEFAULT_TARGET, target_choices
 
 #: ``--lr-schedule``: what the learning rate does after the warmup.
 LR_SCHEDULES = ("constant", "cosine", "linear")
@@ -23,17 +26,29 @@ __all__ = [
     "LR_SCHEDULES",
     "PIPELINE_SCHEDULES",
     "SCHEDULE_KNOBS",
-    "TARGETS",
     "InputError",
     "TrainConfig",
+    "knob_fields",
     "option",
     "parse_attn_op",
 ]
 
-TARGETS = ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deepspeed")
 #: ``--pipeline-schedule``: the torch.distributed.pipelining schedules of one stage per rank.
 PIPELINE_SCHEDULES = ("1F1B", "GPipe")
 SCHEDULE_KNOBS = "schedule knobs (slapo.model_schedule.apply_schedule)"
+
+
+def knob_fields() -> tuple[str, ...]:
+    """The :class:`TrainConfig` fields that are knobs of the ready schedules
+    (:class:`slapo.model_schedule.Knobs`'s fields, under the same names); a None value means
+    the family's recommended one.
+
+    Example:
+        >>> knob_fields()[:2]
+        ('ckpt_ratio', 'ckpt_policy')
+    """
+    knobs = Knobs.__dataclass_fields__
+    return tuple(f.name for f in fields(TrainConfig) if f.name in knobs)
 
 
 class InputError(SlapoError):
@@ -50,20 +65,6 @@ def parse_attn_op(text: str) -> str:
         ('model', 'sdpa')
     """
     return "model" if text.lower() in ("none", "model") else text
-
-
-def parse_ckpt_policy(text: str) -> str:
-    """``--ckpt-policy``: ``full`` or a selective policy (``slapo.model_schedule.CKPT_POLICIES``).
-
-    Example:
-        >>> parse_ckpt_policy("save_matmuls")
-        'save_matmuls'
-    """
-    from ..model_schedule import CKPT_POLICIES  # deferred: no model schedules for --help
-
-    if text not in CKPT_POLICIES:
-        raise ValueError(f"--ckpt-policy must be one of {CKPT_POLICIES}, got {text!r}")
-    return text
 
 
 def option(
@@ -127,8 +128,8 @@ class TrainConfig:
         None, "fraction of blocks checkpointed (default: recommended)", group=SCHEDULE_KNOBS
     )
     ckpt_policy: str | None = option(
-        None, "full, save_matmuls, save_narrow_matmuls, save_attention (default: recommended)",
-        group=SCHEDULE_KNOBS, parse=parse_ckpt_policy,
+        None, "how a checkpointed block recomputes: full, or a selective policy (default: "
+        "recommended)", group=SCHEDULE_KNOBS, choices=CKPT_POLICIES,
     )  # fmt: skip
     compile_blocks: bool | None = option(
         None, "compile each block with inductor (default: recommended)", group=SCHEDULE_KNOBS
@@ -138,12 +139,12 @@ class TrainConfig:
         group=SCHEDULE_KNOBS,
     )  # fmt: skip
     compile_rng: str | None = option(
-        None, "eager, bulk (cheap dropout masks) or inductor: where compiled dropout draws "
-        "(default: recommended)", group=SCHEDULE_KNOBS, choices=("eager", "bulk", "inductor"),
+        None, "where compiled dropout draws its masks (bulk: cheap masks; default: recommended)",
+        group=SCHEDULE_KNOBS, choices=RNG_MODES,
     )  # fmt: skip
     attn_op: str | None = option(
-        None, "eager, sdpa, flash (CUDA) or none: the model's own (default: recommended)",
-        group=SCHEDULE_KNOBS, parse=parse_attn_op,
+        None, "the attention kernel (flash: CUDA; none or model: the model's own; default: "
+        "recommended)", group=SCHEDULE_KNOBS, parse=parse_attn_op, choices=("model", *ATTN_OPS),
     )  # fmt: skip
     fuse_ops: bool | None = option(
         None, "fuse bias+GELU / bias+dropout+residual (default: recommended)",
@@ -162,9 +163,9 @@ class TrainConfig:
         group=SCHEDULE_KNOBS, positive=True, aliases=("--num-stages",),
     )  # fmt: skip
     target: str = option(
-        "eager", "build target; with torchrun's processes beyond --tp x --pp, the data-parallel "
-        "engine of the replicas: eager and ddp average whole replicas' gradients, fsdp shards "
-        "them (FSDP2)", choices=TARGETS,
+        DEFAULT_TARGET, "build target; with torchrun's processes beyond --tp x --pp, the "
+        "data-parallel engine of the replicas: eager and ddp average whole replicas' gradients, "
+        "fsdp shards them (FSDP2)", choices=target_choices(),
     )  # fmt: skip
     num_microbatches: int = option(2, "microbatches per step of a pipeline (--pp)", positive=True)
     pipeline_schedule: str = option(

@@ -22,10 +22,13 @@ from .config import InputError
 __all__ = ["SUFFIXES", "Piece", "data_files", "read_pieces"]
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
-#: Pieces per batch handed to the tokenizer, and the characters of a ``.txt`` piece (a long file
-#: is tokenized a piece at a time, cut at line ends).
+#: Pieces per batch handed to the tokenizer, and the most characters of a batch (a batch is handed
+#: over once either is reached, so that a corpus larger than memory streams: the tokenizer's
+#: output for one batch is all that is held at once), and the characters of a ``.txt`` piece (a
+#: long file is tokenized a piece at a time, cut at line ends).
 BATCH_PIECES = 512
-TXT_PIECE_CHARS = 1 << 20
+BATCH_CHARS = 1 << 21
+TXT_PIECE_CHARS = 1 << 18
 
 #: A piece of text, and whether a document ends with it (the end-of-text token follows).
 Piece = tuple[str, bool]
@@ -73,9 +76,9 @@ def read_pieces(file: Path, field: str) -> Iterator[list[Piece]]:
         if file.stat().st_size == 0:
             raise InputError(f"--data {file} is empty; give a file with text in it")
         if file.suffix == ".txt":
-            yield from _txt(file)
+            yield from _batches(_txt(file))
         elif file.suffix == ".jsonl":
-            yield from _jsonl(file, field)
+            yield from _batches(_jsonl(file, field))
         else:
             yield from _parquet(file, field)
     except UnicodeDecodeError as exc:
@@ -90,28 +93,41 @@ def read_pieces(file: Path, field: str) -> Iterator[list[Piece]]:
         ) from exc
 
 
-def _txt(file: Path) -> Iterator[list[Piece]]:
+def _batches(pieces: Iterator[Piece]) -> Iterator[list[Piece]]:
+    """``pieces`` in batches for the tokenizer: :data:`BATCH_PIECES` pieces, or fewer that hold
+    :data:`BATCH_CHARS` characters.
+
+    Example:
+        >>> [len(b) for b in _batches(iter([("a" * BATCH_CHARS, True), ("b", True)]))]
+        [1, 1]
+    """
+    batch: list[Piece] = []
+    chars = 0
+    for piece in pieces:
+        batch.append(piece)
+        chars += len(piece[0])
+        if len(batch) >= BATCH_PIECES or chars >= BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _txt(file: Path) -> Iterator[Piece]:
     """One document, in pieces of about :data:`TXT_PIECE_CHARS` cut after a newline."""
     with file.open(encoding="utf-8") as f:
-        batch: list[Piece] = []
         pending = f.read(TXT_PIECE_CHARS)
         while pending:
             more = f.read(TXT_PIECE_CHARS)
             cut = pending.rfind("\n") + 1 if more else len(pending)
             cut = cut or len(pending)  # no newline in the piece: cut anywhere
-            batch.append((pending[:cut], not more and cut == len(pending)))
+            yield pending[:cut], not more and cut == len(pending)
             pending = pending[cut:] + more
-            if len(batch) == BATCH_PIECES:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
 
 
-def _jsonl(file: Path, field: str) -> Iterator[list[Piece]]:
+def _jsonl(file: Path, field: str) -> Iterator[Piece]:
     """One document per record's ``field`` (records without it are skipped)."""
     found, seen = False, set()
-    batch: list[Piece] = []
     with file.open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -140,14 +156,9 @@ def _jsonl(file: Path, field: str) -> Iterator[list[Piece]]:
                     f"{type(text).__name__}, not text; pick a text field with "
                     "--data-field"
                 )
-            batch.append((text, True))
-            if len(batch) == BATCH_PIECES:
-                yield batch
-                batch = []
+            yield text, True
     if not found:
         raise _no_field(file, field, sorted(seen))
-    if batch:
-        yield batch
 
 
 def _parquet(file: Path, field: str) -> Iterator[list[Piece]]:

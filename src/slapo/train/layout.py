@@ -1,8 +1,9 @@
-"""How the main job takes part in a run: its process layout, and how it uses each build target.
+"""How the main job takes part in a run: its process layout, its build target and schedule.
 
-:data:`TARGET_USES` is the one place the main job knows the targets by name: which start
-``torch.distributed``, how the ranks split, and which options ``slapo.build`` gets besides the
-optimizer. The training loop itself (:mod:`slapo.train.loop`) names no target.
+How the main job uses each build target is :data:`~slapo.train.uses.TARGET_USES` (re-exported
+here), the one place it knows the targets by name: which start ``torch.distributed``, how the
+ranks split, which options ``slapo.build`` gets besides the optimizer. Nothing else in
+``slapo.train`` names a target.
 
 Example:
     >>> layout = setup_layout(TrainConfig())       # one process: no process group
@@ -13,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +23,23 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from .. import env
-from ..exceptions import SlapoError, TargetError
+from ..exceptions import SlapoError
 from ..schedule import Schedule, create_schedule
-from .config import TrainConfig
+from .config import TrainConfig, knob_fields
 from .generic import GENERIC_KNOBS, generic_schedule
 from .model_source import resolve_model
-from .presets import CAUSAL, MODELS, causal_lm_loss, default_schedule
+from .presets import MODELS, default_schedule
+from .uses import (
+    DEEPSPEED_ZERO_STAGE,
+    PIPELINE_DATA_PARALLEL,
+    TARGET_USES,
+    TargetUse,
+    run_target,
+)
 
 __all__ = [
+    "DEEPSPEED_ZERO_STAGE",
+    "PIPELINE_DATA_PARALLEL",
     "TARGET_USES",
     "Layout",
     "TargetUse",
@@ -69,109 +78,17 @@ class Layout:
 
 
 def build_target(cfg: TrainConfig) -> str:
-    """The ``slapo.build`` target of a run: ``"pipeline"`` with ``--pp`` 2 or more (``--target``
-    then names how its replicas share gradients); ``"ddp"`` for ``--target eager`` with
-    data-parallel replicas (torchrun's processes beyond ``--tp``); else ``--target``.
+    """The ``slapo.build`` target of a run (:func:`~slapo.train.uses.run_target`): the target
+    that runs pipeline stages with ``--pp`` 2 or more (``--target`` then names how its replicas
+    share gradients); the target ``--target``'s data-parallel replicas build on (torchrun's
+    processes beyond ``--tp``: ``ddp`` for ``eager``); else ``--target``.
 
     Example:
         >>> build_target(TrainConfig(pp=2, target="ddp")), build_target(TrainConfig())
         ('pipeline', 'eager')
     """
-    if cfg.pp > 1:
-        return "pipeline"
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // cfg.tp
-    return "ddp" if cfg.target == "eager" and replicas > 1 else cfg.target
-
-
-# ----- the targets as the main job uses them -----------------------------------------------------
-def _no_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    return {}
-
-
-def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    return {"group": layout.dp_group}  # with --tp, the mesh's "dp" dimension
-
-
-#: ``--target`` values that run with ``--pp`` 2 or more, and how the replicas of a stage then
-#: share gradients (``slapo.build(..., target="pipeline", data_parallel=)``): as without
-#: ``--pp``, whole replicas averaging gradients (DDP) unless ``--target fsdp`` shards them.
-PIPELINE_DATA_PARALLEL = {"eager": "ddp", "pipeline": "ddp", "ddp": "ddp", "fsdp": "fsdp"}
-
-
-def _check_pipeline(cfg: TrainConfig) -> None:
-    if cfg.model not in CAUSAL:
-        raise TargetError(f"--pp supports {CAUSAL} in slapo train, not {cfg.model}")
-    if cfg.pp < 2:
-        raise TargetError("--target pipeline needs --pp 2 or more (pipeline stages)")
-    if cfg.target not in PIPELINE_DATA_PARALLEL:
-        raise TargetError(
-            f"--pp {cfg.pp} with --target {cfg.target} is not wired in slapo train: the pipeline "
-            f"replicas share gradients with --target {' or '.join(PIPELINE_DATA_PARALLEL)}"
-        )
-
-
-def _pipeline_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    _check_pipeline(cfg)
-    ids = torch.zeros(cfg.batch_size, cfg.seq_len, dtype=torch.long)
-    # The last stage returns logits: the loss shifts the labels as the model's own loss does.
-    return {
-        "schedule": cfg.pipeline_schedule, "num_microbatches": cfg.num_microbatches,
-        "loss_fn": causal_lm_loss, "example_inputs": (ids,), "group": layout.mesh,
-        "data_parallel": PIPELINE_DATA_PARALLEL[cfg.target],
-    }  # fmt: skip
-
-
-# ZeRO stage of `slapo train --target deepspeed`: optimizer state and gradients partitioned.
-DEEPSPEED_ZERO_STAGE = 2
-
-
-def _deepspeed_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    return {
-        "zero_stage": DEEPSPEED_ZERO_STAGE,
-        "micro_batch_size": cfg.batch_size,
-        "group": layout.dp_group,  # with --tp, the mesh's "dp" dimension: ZeRO runs over it
-    }
-
-
-@dataclass(frozen=True)
-class TargetUse:
-    """How the main job runs on one build target.
-
-    Attributes:
-        process_group: start ``torch.distributed`` even for a single process.
-        options: ``options(cfg, layout)`` -> the target's ``slapo.build`` options.
-        checkpoint: how ``--save``/``--resume`` keep its state (:mod:`slapo.train.state`):
-            ``"full"`` (a Hugging Face directory of the full weights, gathered under ``--tp``,
-            written by every pipeline stage, ZeRO's optimizer partitions gathered),
-            ``"per-rank"`` (each rank's own part) or None (not wired).
-        evaluates: the built model runs a forward on its own (``--eval-*``).
-        samples: the trained weights are whole in the schedule's module on rank 0 (the text the
-            trained model writes at the end).
-    """
-
-    process_group: bool = False
-    options: Callable[[TrainConfig, Layout], dict[str, Any]] = _no_options
-    checkpoint: str | None = "full"
-    evaluates: bool = True
-    samples: bool = False
-
-
-TARGET_USES: dict[str, TargetUse] = {
-    "eager": TargetUse(samples=True),
-    # the optimizer steps RoundPipe's copies of the parameters: saved as they are
-    "roundpipe": TargetUse(checkpoint="per-rank"),
-    "ddp": TargetUse(process_group=True, options=_data_parallel_options, samples=True),
-    # FSDP2's parameters and Adam state are DTensors: each rank saves its part
-    "fsdp": TargetUse(process_group=True, options=_data_parallel_options, checkpoint="per-rank"),
-    "pipeline": TargetUse(
-        process_group=True,
-        options=_pipeline_options,
-        checkpoint="full",  # each rank writes its stages' tensors into one directory
-        evaluates=False,
-    ),  # fmt: skip
-    # ZeRO's partitioned optimizer state is gathered by parameter (DeepSpeed's own pickles)
-    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, checkpoint="full"),
-}
+    return run_target(cfg.target, cfg.pp, replicas)
 
 
 # ----- the process layout ------------------------------------------------------------------------
@@ -193,8 +110,7 @@ def setup_layout(cfg: TrainConfig) -> Layout:
         raise SlapoError(f"--save-every is not wired for --target {target} yet (--save is)")
     if not use.evaluates and (cfg.eval_data or cfg.eval_fraction):
         raise SlapoError(f"--eval-data/--eval-fraction are not wired for --target {target}")
-    if target == "pipeline":
-        _check_pipeline(cfg)
+    use.check(cfg)
     model_parallel = cfg.tp * cfg.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if use.process_group or world > 1 or model_parallel > 1:
@@ -247,18 +163,13 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     family = schedule_family(cfg.model)
     defaults = GENERIC_KNOBS if family is None else recommended_knobs(family)
     knobs = {"ckpt_ratio": 0.0, **defaults}
-    if cfg.target != "eager" or cfg.tp > 1 or cfg.pp > 1:
+    if not TARGET_USES[cfg.target].compile_model or cfg.tp > 1 or cfg.pp > 1:
         knobs["compile_model"] = False
-    given = {
-        "ckpt_ratio": cfg.ckpt_ratio, "ckpt_policy": cfg.ckpt_policy,
-        "compile_blocks": cfg.compile_blocks, "compile_model": cfg.compile_model,
-        "compile_rng": cfg.compile_rng, "attn_op": cfg.attn_op, "fuse_ops": cfg.fuse_ops,
-        "fused_loss": cfg.fused_loss,
-    }  # fmt: skip
+    given = {name: getattr(cfg, name) for name in knob_fields()}  # None: the recommended value
     knobs.update({k: v for k, v in given.items() if v is not None})
     if knobs.get("attn_op") == "model":
         knobs["attn_op"] = None  # the model's own attention
-    knobs.update(sequence_parallel=cfg.sequence_parallel, num_stages=cfg.pp)
+    knobs.update(num_stages=cfg.pp)
     if layout is not None and layout.tp_group is not None:
         knobs["group"] = layout.tp_group
     return knobs

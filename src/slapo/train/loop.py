@@ -367,8 +367,11 @@ def _tokens_per_s(step_tps: list[float]) -> float:
 
 def _short_baseline(cfg: TrainConfig) -> bool:
     """Whether the run measures a short unscheduled baseline first: not for an unscheduled run,
-    nor on the pipeline target, whose stages come from the schedule's cuts."""
-    return cfg.baseline_steps > 0 and not cfg.unscheduled and build_target(cfg) != "pipeline"
+    nor on a target without one (``TargetUse.baseline``: the pipeline's stages come from the
+    schedule's cuts)."""
+    return (
+        cfg.baseline_steps > 0 and not cfg.unscheduled and TARGET_USES[build_target(cfg)].baseline
+    )
 
 
 class _KnownCheckpointNotice(logging.Filter):

@@ -11,10 +11,6 @@ import torch
 
 __all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb", "layout_spec"]
 
-#: Targets whose built model is the schedule's module itself, as ``estimate_memory`` runs it;
-#: the others are estimated per rank by ``slapo.estimate_layout``.
-ESTIMATED_TARGETS = ("eager",)
-
 
 class PeakMemory:
     """Peak tensor memory of a training run, comparable between runs in one process.
@@ -77,7 +73,7 @@ class PeakMemory:
             return self
         params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         self._engine = engine = EngineBytes(self.model)
-        if engine.kind == "fsdp":  # the gathered parameters: sampled, not counted as saved
+        if "gathered" in engine.parts():  # FSDP2's gathered parameters: sampled, not saved
             self._live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)
         else:
             self._live = LiveSaved(skip=params)
@@ -142,15 +138,13 @@ def layout_spec(
         'pipeline dp1 x pp2 x tp1 (1F1B, 4 microbatches)'
     """
     from ..memory import LayoutSpec
-    from .layout import DEEPSPEED_ZERO_STAGE, PIPELINE_DATA_PARALLEL
+    from .uses import DEEPSPEED_ZERO_STAGE, replica_engine
 
     pp = getattr(cfg, "pp", None) or cfg.num_stages
     dp = dp if dp is not None else getattr(cfg, "dp", 1) or 1
-    target = cfg.target
-    if pp > 1:  # the pipeline engine; its replicas share gradients as --target says
-        target = PIPELINE_DATA_PARALLEL.get(target, target) if dp > 1 else "pipeline"
-    elif target == "eager" and dp > 1:
-        target = "ddp"  # as slapo train builds replicas of an eager run
+    # the pipeline engine (its replicas share gradients as --target says), or the engine of
+    # the replicas as slapo train builds them (DDP for eager ones)
+    target = replica_engine(cfg.target, pp, dp)
     return LayoutSpec(
         target=target, dp=dp, pp=pp, tp=cfg.tp, rank=rank,
         num_microbatches=cfg.num_microbatches if pp > 1 else 1,
@@ -181,10 +175,12 @@ def estimate_run(runner: Any, batches: Any) -> Any:
         True
     """
     from ..memory import estimate_memory  # deferred: fake tensors load on first use
+    from .uses import TARGET_USES
 
     batch = _next_batch(batches)
     try:
-        if runner.cfg.target in ESTIMATED_TARGETS and runner.model is runner.sch.mod:
+        whole = TARGET_USES[runner.target].whole_estimate
+        if whole and runner.model is runner.sch.mod:
             return estimate_memory(runner.sch, batch, optimizer=runner.optimizer)
         layout = runner.layout
         spec = layout_spec(runner.cfg, layout.rank, layout.dp_size)
@@ -197,7 +193,12 @@ def estimate_run(runner: Any, batches: Any) -> Any:
 def _optimizer_of(optimizer: Any) -> tuple[Any, dict[str, Any]]:
     """The class and hyperparameters of a run's optimizer (an engine's wrapper unwrapped)."""
     inner = optimizer
-    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+    # an engine's wrapper (DeepSpeed's, or RoundPipe's optimizer, itself a torch optimizer
+    # around the one that steps) holds the optimizer as .optimizer
+    while hasattr(inner, "optimizer") and (
+        not isinstance(inner, torch.optim.Optimizer)
+        or isinstance(inner.optimizer, torch.optim.Optimizer)
+    ):
         inner = inner.optimizer
     if not isinstance(inner, torch.optim.Optimizer):
         return torch.optim.AdamW, {}

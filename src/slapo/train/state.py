@@ -16,13 +16,16 @@ It is written into ``<DIR>.tmp-train`` and renamed into place once complete (the
 ``--resume DIR`` takes ``DIR`` itself, else its latest complete ``step-NNNNNN``.
 
 The weights and optimizer state are :func:`slapo.save_checkpoint`'s, whatever the layout: under
-``--tp`` gathered whole, under ``--target pipeline`` each rank writes its stages' tensors (a
-weight tied across stages once), under ``--target deepspeed`` ZeRO's partitioned optimizer
-state is gathered by parameter (not DeepSpeed's own checkpoints: they are pickles).
+``--tp`` gathered whole, under ``--target fsdp`` FSDP2's DTensor parameters and Adam state
+gathered to full tensors (and re-sharded on resume), under ``--target pipeline`` each rank
+writes its stages' tensors (a weight tied across stages once), under ``--target deepspeed``
+ZeRO's partitioned optimizer state is gathered by parameter (not DeepSpeed's own checkpoints:
+they are pickles), under ``--target roundpipe`` the state of RoundPipe's optimizer copies is
+saved by the names of the parameters they stand for (and the copies follow the loaded weights).
 
-Targets whose state is one part per rank (FSDP's DTensors, RoundPipe's optimizer copies: the
-``per-rank`` layout) save each rank's whole state with :func:`slapo.checkpoints.save_tree`
-into ``DIR.rank<r>`` (``DIR`` itself for one process).
+A target whose state could only be kept one part per rank (the ``per-rank`` layout; no target
+of the main job needs it now) saves each rank's whole state with
+:func:`slapo.checkpoints.save_tree` into ``DIR.rank<r>`` (``DIR`` itself for one process).
 
 Example:
     >>> save_run(Path("out"), run)             # on every rank
@@ -356,12 +359,11 @@ def _carry_steps(old: Path, new: Path) -> None:
 
 def _saved_model(run: RunState) -> Any:
     """What ``save_checkpoint`` reads: an engine that holds its own layout (a pipeline's
-    stages, DeepSpeed's ZeRO partitions), else the schedule's module (its tensor-parallel
-    shards carry their specs)."""
-    engine = run.model
-    if hasattr(engine, "stage_modules") or hasattr(engine, "zero_optimization_stage"):
-        return engine
-    return run.module
+    stages, DeepSpeed's ZeRO partitions, RoundPipe's optimizer copies), else the schedule's
+    module (its tensor-parallel shards carry their specs, FSDP2's are DTensors)."""
+    from ..checkpoints.layout import holds_layout
+
+    return run.model if holds_layout(run.model) else run.module
 
 
 def _save_full(path: Path, run: RunState, carry_steps: bool) -> None:
@@ -497,10 +499,11 @@ def _load_per_rank(path: Path, run: RunState) -> dict[str, Any]:
 
 def load_run(path: Path, run: RunState) -> dict[str, Any]:
     """Restore a checkpoint into ``run`` (weights, optimizer, LR schedule, data position, RNG
-    streams); returns the record it saved.
+    streams); returns the record it saved. The checkpoint's own layout decides how it is read:
+    a per-rank checkpoint an older Slapo wrote for FSDP or RoundPipe still resumes.
 
     Example:
         >>> len(load_run(Path("out/step-000020"), run)["losses"])
         20
     """
-    return _load_full(path, run) if run.layout == "full" else _load_per_rank(path, run)
+    return _load_full(path, run) if _is_full(path) else _load_per_rank(path, run)

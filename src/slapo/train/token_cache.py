@@ -112,16 +112,23 @@ def tokenize(tokenizer: Tokenizer, pieces: list[Piece]) -> list[int]:
 
 
 def _write(files: list[Path], field: str, tokenizer: Tokenizer, out: Path) -> int:
-    """Tokenize ``files`` into ``out``; returns the number of tokens written."""
+    """Tokenize ``files`` into ``out``, one piece's ids at a time (no list of a whole batch's
+    ids: the file streams); returns the number of tokens written."""
     # little-endian, as torch.from_file reads them on the (little-endian) hosts torch runs on
     dtype = "<u2" if token_dtype(tokenizer.vocab_size) == torch.uint16 else "<i4"
+    eos = None if tokenizer.eos_id is None else np.asarray([tokenizer.eos_id], dtype=dtype)
     count = 0
     with out.open("wb") as f:
         for file in files:
             for pieces in read_pieces(file, field):
-                ids = tokenize(tokenizer, pieces)
-                np.asarray(ids, dtype=dtype).tofile(f)
-                count += len(ids)
+                encoded = tokenizer.encode([text for text, _ in pieces])
+                for (_, ends), ids in zip(pieces, encoded):
+                    np.asarray(ids, dtype=dtype).tofile(f)
+                    count += len(ids)
+                    if ends and eos is not None:
+                        eos.tofile(f)
+                        count += 1
+                del encoded
     return count
 
 
