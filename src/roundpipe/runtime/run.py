@@ -222,6 +222,11 @@ class RoundPipeRun:
         # layer grain: forward keeps every (recomputed) layer's input, backward recomputes
         # each layer once from it
         self.layer_grain = config.recompute_grain == "layer"
+        # a forward stage's output handed to the next stage on the same device without a round
+        # trip over the link (microbatch -> (device, device copies)); with one device only, where
+        # the next stage always runs there. Activation accounting measures the plain path.
+        self.handoff: dict[int, tuple[DeviceManager, list[Any]]] = {}
+        self.hands_off = len(get_devices()) == 1 and not self.account_activations
 
     # -- helpers used by stage jobs --------------------------------------------------------
     @contextlib.contextmanager
@@ -487,18 +492,58 @@ def _prefetch_inputs(run: RoundPipeRun, device: DeviceManager, kind: str, gid: i
     """While microbatch ``m`` computes in group ``gid`` (of ``kind``): start moving the next
     microbatch's stage input, and in the fused stage this microbatch's label, across the
     device's link (:func:`~roundpipe.devices.transfer.prefetch_h2d`; only a CPU virtual device
-    with a modelled link has anything to start)."""
+    with a modelled link has anything to start). On the last microbatch of a backward (or the
+    fused) stage, the next backward stage's first input goes ahead when that stage runs on this
+    device too (one device)."""
     if device.link_gbps is None:
         return
     nxt, leaves = m + 1, []
     if kind == "backward" and nxt < run.num_microbatch:
-        saved = run.contexts[nxt].saved_inputs.get(run.plan.bwd_plan[gid].start)
-        leaves += saved[0] if saved is not None else []
-    elif kind != "backward" and nxt < run.num_microbatch and run.tracker.forward_ready(gid, nxt):
+        leaves += _backward_input(run, gid, nxt)
+    elif (
+        kind != "backward"
+        and nxt < run.num_microbatch
+        and run.tracker.forward_ready(gid, nxt)
+        and not _handed_off(run, device, nxt)
+    ):
         leaves += run.states[nxt][0]
     if kind == "fused":
         leaves += pytree.tree_leaves(run.batch.label_list[m])
+    if kind != "forward" and nxt == run.num_microbatch and run.hands_off:
+        next_gid = gid + 1 if kind == "backward" else 1  # the fused stage is backward group 0
+        if next_gid < len(run.plan.bwd_plan):
+            leaves += _backward_input(run, next_gid, 0)
     prefetch_h2d(device, leaves)
+
+
+def _backward_input(run: RoundPipeRun, gid: int, m: int) -> list[Any]:
+    """The host tensors backward group ``gid`` uploads first for microbatch ``m``: the group's
+    saved input (stage grain), or its last layer's (layer grain walks last to first)."""
+    layers = run.plan.bwd_plan[gid]
+    saved = run.contexts[m].saved_inputs.get(layers[-1] if run.layer_grain else layers.start)
+    return list(saved[0]) if saved is not None else []
+
+
+def _stage_input(run: RoundPipeRun, device: DeviceManager, m: int, leaves: list[Any]) -> list[Any]:
+    """Microbatch ``m``'s stage input on ``device``: the previous stage's output it kept there
+    (:func:`_hand_off`), else an upload of the host copy."""
+    kept = run.handoff.pop(m, None)
+    if kept is not None and kept[0] is device:
+        return kept[1]
+    return async_h2d(device, leaves)
+
+
+def _hand_off(run: RoundPipeRun, device: DeviceManager, m: int, x: list[Any]) -> None:
+    """Keep a device copy of a forward stage's output for the next stage (same device): it
+    then needs no upload. A copy, because the host copy of a virtual device aliases ``x``
+    and a CUDA download may still read it, while the next stage may change its input in
+    place."""
+    run.handoff[m] = (device, [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in x])
+
+
+def _handed_off(run: RoundPipeRun, device: DeviceManager, m: int) -> bool:
+    kept = run.handoff.get(m)
+    return kept is not None and kept[0] is device
 
 
 def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
@@ -512,10 +557,12 @@ def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -
             if is_args:  # the caller's inputs: packed ones may still be on their way
                 run.batch.wait_forward_events(m, run.state)
             forward = functools.partial(_forward_layer, run, device, ctx, (leaves, layers.start))
-            state = (async_h2d(device, leaves), spec, is_args)
+            state = (_stage_input(run, device, m, leaves), spec, is_args)
             _prefetch_inputs(run, device, "forward", layer_group_id, m)
             _, x, spec = _run_chain(layers, stage.layers, state, forward)
             run.states[m] = (_to_host(device, x), spec, False)
+            if run.hands_off and layer_group_id < len(run.plan.fwd_plan) - 1:
+                _hand_off(run, device, m, x)
             del x, state  # the device copies: free before the next microbatch
             if layer_group_id == len(run.plan.fwd_plan) - 1:
                 run.batch.output_events[m] = _output_events(device, run.enable_grad)
@@ -523,11 +570,17 @@ def run_forward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -
 
 
 def _prepare_inputs(
-    run: RoundPipeRun, device: DeviceManager, layers: range, m: int, state: State
+    run: RoundPipeRun,
+    device: DeviceManager,
+    layers: range,
+    m: int,
+    state: State,
+    handoff: bool = False,
 ) -> list[Any]:
-    """Upload a stage input and mark the leaves whose gradients backward must produce."""
+    """Upload a stage input (with ``handoff``, take the one the previous forward stage kept on
+    ``device`` where it did) and mark the leaves whose gradients backward must produce."""
     leaves, _, _ = state
-    x = async_h2d(device, leaves)
+    x = _stage_input(run, device, m, leaves) if handoff else async_h2d(device, leaves)
     for i, t in enumerate(x):
         needs = run.input_grad_mask[m][i] if layers.start == 0 else _is_float(t)
         if needs:
@@ -584,10 +637,12 @@ def _backward_inputs(
     wait: Callable[[int], None],
     host_state: Callable[[RoundPipeRunContext], State],
     upload: bool = True,
+    handoff: bool = False,
 ) -> Iterator[tuple[RoundPipeRunContext, State]]:
     """Per microbatch in order, once ``wait(m)`` returned: its context and its stage input
     (``host_state(ctx)``) uploaded, leaves needing gradients marked (with ``upload=False``, the
-    host state itself: the caller uploads it when it needs it).
+    host state itself: the caller uploads it when it needs it; with ``handoff``, the fused
+    stage's input the previous forward stage kept on the device where it did).
 
     Once microbatch 0 arrived, a stage holding its own copy of the parameters (CUDA) signals
     that this run's backward has it: by then every forward stage of this run uploaded these
@@ -609,7 +664,8 @@ def _backward_inputs(
         if not upload:
             yield ctx, state
             continue
-        yield ctx, (_prepare_inputs(run, device, layers, m, state), state[1], state[2])
+        x = _prepare_inputs(run, device, layers, m, state, handoff)
+        yield ctx, (x, state[1], state[2])
 
 
 def run_backward(device: DeviceManager, run: RoundPipeRun, layer_group_id: int) -> None:
@@ -711,7 +767,7 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
         return run.states[ctx.microbatch_id]
 
     with _stage_on(device, run, layers, "fused") as stage:
-        for ctx, state in _backward_inputs(run, device, layers, stage, wait, current):
+        for ctx, state in _backward_inputs(run, device, layers, stage, wait, current, handoff=True):
             m = ctx.microbatch_id
             _prefetch_inputs(run, device, "fused", fwd_gid, m)
             x = state[0]
