@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import logging
+import os
 import sys
 import types
 from dataclasses import fields, replace
@@ -186,5 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def console_main() -> None:
+    """The ``slapo`` command and ``python -m slapo``: :func:`main`, then exit with its status.
+
+    A process of a distributed run (``WORLD_SIZE`` > 1, as under torchrun) that finished leaves
+    without the interpreter's finalization (``os._exit`` once its output is flushed): a gloo
+    worker thread still dropping the tensors of a finished collective needs the GIL to do it,
+    and a thread asking for the GIL while the interpreter finalizes is unwound through a C++
+    destructor, which aborts the process ("terminate called without an active exception")
+    although the run succeeded. Nothing of ours runs at exit: every file is closed by then.
+    """
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -146,8 +146,10 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.output_dir is None:
         cfg.output_dir = default_run_dir(cfg)
+    finished = False
     try:
         summary = train(cfg)
+        finished = True
     except InputError as exc:  # bad input: one line, the usage-error status, no traceback
         message = " ".join(str(exc).split())  # one line, whatever a library put in it
         print(f"slapo train: {message}", file=sys.stderr)
@@ -156,6 +158,8 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"slapo train: {exc}") from exc
     finally:
         if dist.is_available() and dist.is_initialized():
+            if finished:  # every rank done with its collectives before any tears its group down
+                dist.barrier()
             dist.destroy_process_group()
     if summary["world_size"] == 1 or int(os.environ.get("RANK", "0")) == 0:
         print(format_summary(summary))

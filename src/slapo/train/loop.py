@@ -39,7 +39,7 @@ from .generic import describe_plan
 from .inputs import RunInputs, prepare_inputs
 from .layout import TARGET_USES, Layout, build_target, schedule_for, schedule_knobs, setup_layout
 from .lr_schedule import make_scheduler
-from .memory import PeakMemory, estimate_run, estimated_peak_mb
+from .memory import PeakMemory, estimate_run, estimated_peak_mb, local_part
 from .presets import build_model
 from .report import write_outputs
 from .sample import sample_text
@@ -281,7 +281,8 @@ def run_once(
     progress.close()
     if watcher is not None:
         watcher.finish()
-    parameters = sum(p.numel() for p in runner.model.parameters())
+    # what this rank holds: a DTensor (FSDP2, Hugging Face's TP plan) counts its local shard
+    parameters = sum(local_part(p).numel() for p in runner.model.parameters())
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,

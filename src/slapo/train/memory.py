@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from ..pipeline.replicas import local_part
+
 __all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb", "layout_spec"]
 
 
@@ -51,7 +53,7 @@ class PeakMemory:
         self._engine: Any = None
         # the device the model trains on: a CPU model on a machine with a GPU is still a CPU run
         self.cuda = torch.cuda.is_available() and any(
-            _local(p).device.type == "cuda" for p in model.parameters()
+            local_part(p).device.type == "cuda" for p in model.parameters()
         )
 
     def next_step(self) -> None:
@@ -71,7 +73,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self._base = torch.cuda.memory_allocated() / 2**20
             return self
-        params = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+        params = {local_part(p).untyped_storage().data_ptr() for p in self.model.parameters()}
         self._engine = engine = EngineBytes(self.model)
         if "gathered" in engine.parts():  # FSDP2's gathered parameters: sampled, not saved
             self._live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)
@@ -87,25 +89,17 @@ class PeakMemory:
         if self._live is not None:
             self.activation_mb = self._live.peak / 2**20
             self._live.__exit__(*exc)
-        state = sum(2 * _local(p).numel() * p.element_size() for p in self.model.parameters())
+        state = sum(2 * local_part(p).numel() * p.element_size() for p in self.model.parameters())
         # the pipeline engine exposes its stages' parameters but is no nn.Module
         buffers = self.model.buffers() if hasattr(self.model, "buffers") else ()
-        state += sum(_local(b).numel() * b.element_size() for b in buffers)
+        state += sum(local_part(b).numel() * b.element_size() for b in buffers)
         for per_param in getattr(self.optimizer, "state", {}).values():
-            state += sum(_local(v).numel() * v.element_size() for v in per_param.values()
+            state += sum(local_part(v).numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))  # fmt: skip
         if self._engine is not None:
             self.engine_parts = self._engine.parts()
         self.engine_mb = sum(self.engine_parts.values()) / 2**20
         self.peak_mb = state / 2**20 + self.activation_mb + self.engine_mb
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2 and tensor-parallel parameters), else ``t``."""
-    # deferred: torch.distributed.tensor takes 0.65 s to import; `import slapo` does not need it
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def estimated_peak_mb(estimate: Any) -> float | None:
