@@ -16,7 +16,7 @@ if str(BENCHMARKS) not in sys.path:
 
 from train_streaming import measure  # noqa: E402  (the path above)
 
-SIZE = 64 << 20
+SIZE = 32 << 20
 
 
 @pytest.mark.slow
