@@ -8,21 +8,10 @@ import copy
 
 import pytest
 import torch
+from helpers import DoublesInPlace
 from torch import nn
 
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
-
-
-class DoublesInPlace(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return torch.tanh(self.lin(x))
-        x.mul_(2.0)
-        return torch.tanh(self.lin(x / 2.0))
 
 
 @pytest.mark.parametrize("grain", ["stage", "layer"])

@@ -23,6 +23,22 @@ def mlp(n_layers: int = 4, width: int = 16, dropout: float = 0.0, seed: int = 0)
     return nn.Sequential(*layers)
 
 
+class DoublesInPlace(nn.Module):
+    """A Linear whose no-grad forward doubles its input in place and halves it again in its
+    arithmetic: the same output, but a host copy sharing the input's memory would be corrupted
+    for the recompute."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return torch.tanh(self.lin(x))
+        x.mul_(2.0)
+        return torch.tanh(self.lin(x / 2.0))
+
+
 def assert_close(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: {m}")
 

@@ -9,28 +9,12 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import DoublesInPlace, assert_close
 from torch import nn
 
 import roundpipe
 from roundpipe import ModelExecutePlan, RoundPipe, RoundPipeRunConfig
 from roundpipe.runtime import run as run_module
-
-
-class DoublesInPlace(nn.Module):
-    """A Linear whose no-grad forward doubles its input in place and halves it again in its
-    arithmetic: the same output, but a host copy sharing the input's memory would be corrupted
-    for the recompute."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.lin = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled():
-            return torch.tanh(self.lin(x))
-        x.mul_(2.0)
-        return torch.tanh(self.lin(x / 2.0))
 
 
 def _model(n: int = 5, width: int = 12) -> nn.Sequential:
