@@ -15,6 +15,7 @@ from typing import Any
 
 from ..exceptions import SlapoError
 from ..model_schedule import ATTN_OPS, CKPT_POLICIES, Knobs
+from ..precision import DEVICES, PRECISIONS
 from ..primitives.compile_rng import RNG_MODES
 from .presets import MODELS, PRESETS
 from .uses import DEFAULT_TARGET, target_choices
@@ -113,6 +114,20 @@ class TrainConfig:
     seq_len: int = option(128, "tokens per sequence", positive=True)
     lr: float = option(3e-3, "AdamW learning rate")
     seed: int = option(0, "seed of the weights and the data")
+    # where and in what precision (slapo.precision): resolved once per run (slapo.train.run)
+    device: str = option(
+        "auto", "where the model trains: auto is cuda:LOCAL_RANK where a GPU is, else the CPU "
+        "(NCCL between GPUs, gloo between CPU processes)", choices=DEVICES,
+    )  # fmt: skip
+    precision: str | None = option(
+        None, "fp32, or mixed precision with bf16 or fp16 compute (float32 master weights and "
+        "optimizer state; fp16 scales the loss). Default: bf16 on a GPU that has it, else fp32",
+        choices=PRECISIONS,
+    )  # fmt: skip
+    peak_tflops: float | None = option(
+        None, "the device's peak dense TFLOPS in the run's precision, for MFU (default: a table "
+        "of common GPUs; none on the CPU)",
+    )  # fmt: skip
     # the data (slapo.train.token_cache): the embedded corpus unless --data names files
     data: str | None = option(
         None, "train on a .txt, .jsonl or .parquet file, or a directory of them, tokenized once "
