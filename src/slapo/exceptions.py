@@ -8,6 +8,7 @@ __all__ = [
     "PrimitiveError",
     "PrimitiveTypeError",
     "TargetError",
+    "InputError",
 ]
 
 
@@ -36,3 +37,9 @@ class PrimitiveTypeError(SlapoError, TypeError):
 
 class TargetError(SlapoError, ValueError):
     """An unknown build target or a bad option for one."""
+
+
+class InputError(SlapoError):
+    """Bad input on the command line (a flag out of range, a data file or model directory that
+    cannot be used): ``slapo train`` prints the message as one line and exits with status 2, as
+    argparse does for a usage error."""

@@ -200,6 +200,23 @@ def check_pipeline_bf16(rank: int, world: int) -> None:
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
 
 
+def check_zero_bf16(rank: int, world: int) -> None:
+    """``precision="bf16"`` on ZeRO-2: DeepSpeed's bf16 section, a bf16 module, float32 master
+    weights (the optimizer's partition); the loss curve follows float32's within 2%."""
+    ref_losses, _, _ = reference("llama")
+    sch = slapo.create_schedule(hf_models.make("llama", dropout=0.0))
+    engine, opt = slapo.build(
+        sch, target="deepspeed", zero_stage=2, micro_batch_size=BATCH // world,
+        precision="bf16", optimizer=torch.optim.SGD, optimizer_kwargs=OPT,
+    )  # fmt: skip
+    assert engine.bfloat16_enabled()
+    assert {p.dtype for _, p in named_parameters(engine)} == {torch.bfloat16}
+    masters = engine.optimizer.single_partition_of_fp32_groups
+    assert masters and {t.dtype for t in masters} == {torch.float32}
+    losses = mean_over(jobs_loop.loop(engine, opt, slices(rank, world)))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+
+
 # ----- tensor parallel x ZeRO ------------------------------------------------------------------------
 def check_tp_zero(family: str, stage: int, rank: int, world: int) -> None:
     """A 2 x 2 (dp, tp) mesh: ZeRO over "dp" of a schedule tensor parallel over "tp"; every rank
@@ -307,6 +324,9 @@ def job2(rank: int, world: int) -> dict[str, str | None]:
             "zero1_gpt2": lambda: check_zero(1, "gpt2", rank, world, logits_loss),
             "zero2_llama": lambda: check_zero(2, "llama", rank, world),
             "zero3_gpt2": lambda: check_zero(3, "gpt2", rank, world),
+            # before the pipeline checks: DeepSpeed's pipeline engine leaves its topology in
+            # deepspeed.utils.groups, which a later ZeRO engine would read as model parallelism
+            "zero2_bf16": lambda: check_zero_bf16(rank, world),
             "other_loops": lambda: check_other_loops(rank, world),
             "pipe_gpt2": lambda: check_pipeline("gpt2", rank, world),
             "pipe_llama": lambda: check_pipeline("llama", rank, world),

@@ -9,6 +9,7 @@ import jobs_dp
 import jobs_lazy
 import jobs_loop
 import jobs_pp
+import jobs_precision
 
 from dist_utils import run_checks
 
@@ -19,6 +20,7 @@ def job2(rank: int, world: int, pg_timeout: float) -> dict[str, str | None]:
             **jobs_dp.dp_checks(rank, world),
             **jobs_loop.loop_checks(rank, world),
             **jobs_lazy.lazy_checks(rank, world),
+            **jobs_precision.precision_checks(rank, world),
             **jobs_pp.pp2_checks(rank, world, pg_timeout),
         }
     )

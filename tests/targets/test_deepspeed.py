@@ -40,7 +40,7 @@ def ds4():
 
 
 TWO = ["zero1_gpt2", "zero2_llama", "zero3_gpt2", "other_loops", "pipe_gpt2", "pipe_llama",
-       "pipe_bf16", "bad_options", "pipe_batches"]  # fmt: skip
+       "pipe_bf16", "zero2_bf16", "bad_options", "pipe_batches"]  # fmt: skip
 FOUR = ["tp_zero2_llama", "tp_zero3_gpt2", "pipe_dp_zero1_gpt2"]
 
 

@@ -46,3 +46,13 @@ def test_deepspeed_without_deepspeed_says_how_to_get_it():
     sch = slapo.create_schedule(hf_models.make("gpt2"))
     with pytest.raises(TargetError, match="pip install deepspeed"):
         slapo.build(sch, target="deepspeed")
+
+
+@pytest.mark.parametrize(
+    "check",
+    ["bf16 ddp", "bf16 fsdp", "bf16 pipeline", "fp16 overflow ddp", "fp16 overflow fsdp"],
+)
+def test_mixed_precision_2_ranks(ranks2, check):
+    """bf16 on ddp, fsdp and pipeline stages equals one process in bf16 (``jobs_precision``:
+    the tolerance); fp16's overflow on one rank skips the step on both."""
+    assert_check(ranks2, check)

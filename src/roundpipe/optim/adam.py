@@ -552,6 +552,9 @@ class RoundPipeOptimizer(Optimizer):
         model: the RoundPipe model (``RoundPipe``, ``AutoRoundPipe``).
         optimizer: a torch optimizer over ``model.optim_parameters()`` (or a subset).
         is_async: use RoundPipe's asynchronous, one-step-stale step.
+        scaler: a :class:`roundpipe.GradScaler` whose scaled losses the backward passes used:
+            each step runs ``scaler.step(optimizer)`` on the optimizer thread (unscale, skip on
+            inf/NaN) and then ``scaler.update()``.
 
     Raises:
         TypeError: ``model`` is not a RoundPipe model or ``optimizer`` not an optimizer.
@@ -570,7 +573,12 @@ class RoundPipeOptimizer(Optimizer):
     """
 
     def __init__(
-        self, model: RoundPipeBase, optimizer: Optimizer, *, is_async: bool = False
+        self,
+        model: RoundPipeBase,
+        optimizer: Optimizer,
+        *,
+        is_async: bool = False,
+        scaler: Any = None,
     ) -> None:
         if not isinstance(model, RoundPipeBase):
             raise TypeError(
@@ -597,6 +605,7 @@ class RoundPipeOptimizer(Optimizer):
         self.model = model
         self.optimizer = optimizer
         self.is_async = is_async
+        self.scaler = scaler
         self.defaults = optimizer.defaults
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -653,14 +662,21 @@ class RoundPipeOptimizer(Optimizer):
         inner = self.optimizer
         snapshot = [_hyper(g) for g in self.param_groups]
 
+        scaler = self.scaler
+
         def kernel() -> None:
             for group, hyper in zip(inner.param_groups, snapshot):
                 group.update(hyper)
-            inner.step()
+            if scaler is None:
+                inner.step()
+            else:  # on this thread: unscale, check, step inline
+                scaler.step(inner)
             # set_to_none: the next step hands the model's gradient tensors over without a copy
             inner.zero_grad(set_to_none=True)
 
         self.model.step(kernel, is_async=self.is_async)
+        if scaler is not None:  # queued behind the step: the next scale follows its overflow
+            scaler.update(is_async=self.is_async)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

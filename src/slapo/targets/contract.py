@@ -14,6 +14,10 @@ Every target honours it ("eager", "ddp", "fsdp", "pipeline", "roundpipe", "deeps
   pipeline engine runs its schedule over every stage and microbatch and returns the mean loss on
   every rank; DeepSpeed's engine runs forward and ``engine.backward(loss)`` (or its pipeline
   schedule without the optimizer step). Otherwise it runs one forward and ``loss.backward()``.
+* In float16 (``slapo.build(..., precision="fp16")``) it scales the loss before the backward
+  with the model's loss scaler, and the optimizer ``build`` returns unscales the gradients and
+  skips a step that overflowed (:mod:`slapo.targets.mixed_precision`); the loss it returns is
+  unscaled. bfloat16 and float32 need no scaling.
 * The optimizer ``build`` returns applies what the backward left: a torch optimizer, for
   RoundPipe the wrapper that steps RoundPipe's optimizer copies, for DeepSpeed the wrapper whose
   ``step()`` is DeepSpeed's step.
@@ -45,6 +49,7 @@ from typing import Any
 import torch
 
 from ..exceptions import TargetError
+from .mixed_precision import GRAD_SCALER_ATTR
 
 __all__ = ["Batch", "LossFn", "TARGET_KEY", "output_loss", "split_batch", "train_step"]
 
@@ -144,5 +149,6 @@ def train_step(model: Any, batch: Batch, loss_fn: LossFn | None = None) -> torch
     args, kwargs, target = split_batch(batch, with_target=loss_fn is not None)
     out = model(*args, **kwargs)
     loss = output_loss(out) if loss_fn is None else loss_fn(out, target)
-    loss.backward()
+    scaler = getattr(model, GRAD_SCALER_ATTR, None)  # float16: the optimizer unscales
+    (loss if scaler is None else scaler.scale(loss)).backward()
     return loss.detach()

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from ..exceptions import TargetError
+from ..precision import Precision
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
+from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
 from .registry import register_target
 
 if TYPE_CHECKING:
@@ -24,6 +26,7 @@ def build_ddp(
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     group: Any = None,
+    precision: Precision | str | torch.dtype | None = None,
     **ddp_kwargs: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wrap the scheduled model in ``DistributedDataParallel`` over ``group`` (default: world).
@@ -32,20 +35,30 @@ def build_ddp(
     With tensor parallelism on a 2-D mesh pass ``group=mesh["dp"]``: sharded parameters are
     plain tensors, each averaged with its peers holding the same shard.
 
+    ``precision="bf16"``/``"fp16"``: float32 parameters and gradients (all-reduced in float32),
+    the forward under ``torch.autocast``; fp16 scales the loss with a ``ShardedGradScaler``,
+    so every rank skips the same overflowed steps.
+
     Example:
         >>> slapo.env.setup()
         >>> model, opt = slapo.build(sch, target="ddp", optimizer=torch.optim.AdamW)
         >>> loss = slapo.train_step(model, batch_slice_of_this_rank); opt.step(); opt.zero_grad()
     """
     require_distributed("ddp")
+    precision = Precision.of(precision)
     pg = as_process_group(group, "ddp")
     model = sch.mod if device is None else sch.mod.to(device)
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    dev_ids = None if on_cpu else [next(model.parameters()).device]
+    device_type = device_type_of(model)
+    precision.check_device(device_type)
+    # float32 parameters (the master weights) and gradients, all-reduced in float32
+    autocast_forward(model, precision, device_type)
+    dev_ids = None if device_type == "cpu" else [next(model.parameters()).device]
     try:
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=dev_ids, process_group=pg, **ddp_kwargs
         )
     except TypeError as exc:  # a misspelt option: name it
         raise TargetError(f'target "ddp": bad option for DistributedDataParallel: {exc}') from exc
-    return wrapped, make_optimizer(wrapped, optimizer, optimizer_kwargs)
+    optim = make_optimizer(wrapped, optimizer, optimizer_kwargs)
+    # tensor-parallel shards differ between ranks: every rank's inf check is agreed on
+    return with_loss_scaling(wrapped, optim, precision, device_type, sharded=True)

@@ -42,6 +42,7 @@ from torch import nn
 from ..env import export_env
 from ..exceptions import TargetError
 from ..logger import get_logger
+from ..precision import Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .contract import Batch, output_loss, split_batch
@@ -85,6 +86,7 @@ def build_deepspeed(
     num_microbatches: int | None = None,
     example_inputs: Any = None,
     forward_kwargs: dict[str, Any] | None = None,
+    precision: Precision | str | torch.dtype | None = None,
     **initialize_kwargs: Any,
 ) -> tuple[Any, DeepSpeedOptimizer | None]:
     """Train the scheduled model on DeepSpeed's engine; returns ``(engine, optimizer)``.
@@ -117,6 +119,10 @@ def build_deepspeed(
             default ``create_schedule(..., example_inputs=...)``. Every batch has its shapes.
         forward_kwargs: pipeline only: constant keyword arguments of the traced forward
             (default ``{"use_cache": False}`` where the forward takes ``use_cache``).
+        precision: ``"bf16"`` or ``"fp16"`` enables that section of the config (DeepSpeed's
+            mixed precision: the module computes in that dtype, the optimizer keeps float32
+            master weights and state; fp16 with DeepSpeed's dynamic loss scale, whose overflow
+            check agrees over the ranks). A config that enables another one is refused.
         initialize_kwargs: passed on to ``deepspeed.initialize`` (``lr_scheduler=``,
             ``mpu=`` to give DeepSpeed your own groups, ...).
 
@@ -134,7 +140,7 @@ def build_deepspeed(
     """
     deepspeed = _import_deepspeed()
     require_distributed("deepspeed")
-    cfg = _config(config, zero_stage, micro_batch_size)
+    cfg = _precision_config(_config(config, zero_stage, micro_batch_size), Precision.of(precision))
     export_env()  # DeepSpeed reads LOCAL_RANK (and RANK, WORLD_SIZE) from the environment
     _start_comm(deepspeed)
     cuts = pipeline_cuts(sch)
@@ -398,6 +404,22 @@ def _config(config: Any, zero_stage: int | None, micro_batch_size: int | None) -
     cfg.setdefault("gradient_clipping", 0.0)
     cfg.setdefault("zero_allow_untested_optimizer", True)
     return cfg
+
+
+def _precision_config(cfg: dict[str, Any], precision: Precision) -> dict[str, Any]:
+    """``cfg`` with ``precision``'s section enabled (bf16, or fp16 with a dynamic loss scale)."""
+    enabled = _dtype(cfg)
+    if not precision.mixed:
+        return cfg
+    if enabled is not None and enabled != precision.compute_dtype:
+        raise TargetError(
+            f'target "deepspeed": precision={precision.name!r}, but the config enables '
+            f"{enabled}; keep one"
+        )
+    section = {"enabled": True}
+    if precision.loss_scaling:
+        section["loss_scale"] = 0  # dynamic, as torch's GradScaler
+    return {**cfg, precision.name: {**section, **cfg.get(precision.name, {})}}
 
 
 def _dtype(cfg: dict[str, Any]) -> torch.dtype | None:

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..precision import Precision
 from .common import OptimizerSpec, make_optimizer
+from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
 from .registry import register_target
 
 if TYPE_CHECKING:
@@ -22,14 +24,25 @@ def build_eager(
     device: torch.device | str | None = None,
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
+    precision: Precision | str | torch.dtype | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Single process: returns the scheduled module (moved to ``device``) and an optional optimizer.
+
+    With ``precision="bf16"`` (or ``"fp16"``) the parameters stay float32 (the master weights
+    the optimizer steps) and the forward runs under ``torch.autocast``; fp16 also scales the loss
+    (:mod:`slapo.targets.mixed_precision`).
 
     Example:
         >>> model, opt = slapo.build(sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
         >>> loss = slapo.train_step(model, batch); opt.step(); opt.zero_grad()
+        >>> model, opt = slapo.build(sch, precision="bf16", optimizer=torch.optim.AdamW)
     """
+    precision = Precision.of(precision)
     model = sch.mod
     if device is not None:
         model = model.to(device)
-    return model, make_optimizer(model, optimizer, optimizer_kwargs)
+    device_type = device_type_of(model)
+    precision.check_device(device_type)
+    autocast_forward(model, precision, device_type)
+    optim = make_optimizer(model, optimizer, optimizer_kwargs)
+    return with_loss_scaling(model, optim, precision, device_type)

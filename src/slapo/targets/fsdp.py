@@ -10,6 +10,7 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..logger import get_logger
+from ..precision import Precision
 from .common import (
     OptimizerSpec,
     as_device_mesh,
@@ -17,6 +18,7 @@ from .common import (
     make_optimizer,
     require_distributed,
 )
+from .mixed_precision import device_type_of, with_loss_scaling
 from .registry import register_target
 
 if TYPE_CHECKING:
@@ -37,6 +39,7 @@ def build_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    precision: Precision | str | torch.dtype | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Shard every block, then the root, with FSDP2 ``fully_shard`` over ``group`` (default: world).
 
@@ -47,6 +50,10 @@ def build_fsdp(
             see :func:`slapo.targets.common.default_blocks`); the root is always sharded last.
         mp_policy: a ``torch.distributed.fsdp.MixedPrecisionPolicy``; or give the shorthands
             ``param_dtype=`` / ``reduce_dtype=``.
+        precision: ``"bf16"``/``"fp16"``: ``MixedPrecisionPolicy(param_dtype=<that dtype>,
+            reduce_dtype=torch.float32)``: float32 sharded parameters and optimizer state,
+            gathered in the compute dtype, gradients reduced in float32; fp16 also scales the
+            loss with a ``ShardedGradScaler``. Give it or ``mp_policy``, not both.
         reshard_after_forward: free gathered parameters after forward (ZeRO-3) or keep them
             until backward (ZeRO-2 like).
 
@@ -55,7 +62,7 @@ def build_fsdp(
 
     Example:
         >>> model, opt = slapo.build(sch, target="fsdp", optimizer=torch.optim.AdamW,
-        ...                          param_dtype=torch.bfloat16)
+        ...                          precision="bf16")
     """
     # deferred: FSDP2 loads torch.distributed.tensor (0.65 s), which `import slapo` does not need
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -65,10 +72,19 @@ def build_fsdp(
         raise TargetError(
             'target "fsdp": give either mp_policy= or the param_dtype=/reduce_dtype= shorthands'
         )
+    precision = Precision.of(precision)
+    if precision.mixed and (mp_policy is not None or param_dtype or reduce_dtype):
+        raise TargetError(
+            f'target "fsdp": precision={precision.name!r} sets the MixedPrecisionPolicy; give '
+            "it or mp_policy=/param_dtype=/reduce_dtype=, not both"
+        )
+    if precision.mixed:
+        param_dtype, reduce_dtype = precision.compute_dtype, torch.float32
     if mp_policy is None:
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     model = sch.mod if device is None else sch.mod.to(device)
-    device_type = next(model.parameters()).device.type
+    device_type = device_type_of(model)
+    precision.check_device(device_type)
     mesh = as_device_mesh(group, "fsdp", device_type)
     paths = default_blocks(sch) if wrap is None else list(wrap)
     for path in paths:
@@ -79,4 +95,5 @@ def build_fsdp(
         fully_shard(model.get_submodule(path), **opts)
     fully_shard(model, **opts)
     get_logger().info("fsdp: sharded %d blocks and the root over %d ranks", len(paths), mesh.size())
-    return model, make_optimizer(model, optimizer, optimizer_kwargs)
+    optim = make_optimizer(model, optimizer, optimizer_kwargs)
+    return with_loss_scaling(model, optim, precision, device_type, sharded=True)

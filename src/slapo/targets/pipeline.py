@@ -30,6 +30,7 @@ from ..pipeline.failure import FailTogether
 from ..pipeline.partition import stage_metas
 from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm, local_part
 from ..pipeline.stage_checkpoint import checkpoint_stages, checkpointed_modules
+from ..precision import Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import (
     OptimizerSpec,
@@ -39,6 +40,7 @@ from .common import (
     require_distributed,
 )
 from .contract import TARGET_KEY, Batch, split_batch
+from .mixed_precision import LossScaledOptimizer, autocast_forward
 from .registry import register_target
 
 if TYPE_CHECKING:
@@ -76,6 +78,7 @@ class _Plan:
     dp_mesh: DeviceMesh | None = None  # the same, as FSDP2 takes it
     data_parallel: str = "ddp"
     grad_scaler: Any = None  # scales each microbatch's loss (the step reports it unscaled)
+    precision: Precision = field(default_factory=Precision)  # the stages' forwards autocast
     tp_group: dist.ProcessGroup | None = None  # the mesh's "tp" dimension (None: none)
     # the schedule's whole-module checkpoints by path (policy, None: full), re-applied in the
     # stages, and the paths checkpointed only in a traced subgraph (run unprotected)
@@ -157,6 +160,8 @@ class PipelineEngine:
         inputs = _batch_tensors(inputs, origin)
         mb_args = _first_microbatch(inputs, p.num_microbatches, origin)
         part = partition_model(p.model, p.cuts, mb_args, p.forward_kwargs, grad=p.grad)
+        for stage_module in part.stages:  # before the shapes: autocast sets the stages' dtypes
+            autocast_forward(stage_module, p.precision)
         # Shapes known now: the stages skip torch's run-time inference (whose first-step
         # forward stage 0 kept alive). Taken before the checkpoints go in: nothing to save.
         metas = stage_metas(part.stages, mb_args)
@@ -453,6 +458,7 @@ def build_pipeline(
     timeout: float = 60.0,
     data_parallel: str = "fsdp",
     grad_scaler: Any = None,
+    precision: Precision | str | torch.dtype | None = None,
 ) -> tuple[PipelineEngine, torch.optim.Optimizer | None]:
     """Split the model at its cuts and run this rank's stage(s) with a torch pipeline schedule.
 
@@ -492,6 +498,10 @@ def build_pipeline(
             default the world): each microbatch's loss is scaled before its backward and the
             step returns it unscaled; call ``scaler.step(opt)`` and ``scaler.update()`` as
             usual. Every rank then skips the same steps and keeps the same scale.
+        precision: ``"bf16"``/``"fp16"``: each stage's forward runs under ``torch.autocast``
+            (float32 parameters, gradients and optimizer state); fp16 also scales the loss with
+            a ``ShardedGradScaler`` over every rank (unless ``grad_scaler=`` gives one) and the
+            optimizer returned steps through it (``scaler.step``, ``scaler.update``).
         optimizer: an optimizer class or factory. Built here over this rank's stage parameters;
             when the stages wait for the first step, built here over the model's parameters
             and narrowed to this rank's stage parameters when the stages are built (before the
@@ -532,6 +542,12 @@ def build_pipeline(
     model = sch.mod
     pp_group, pp_groups = _pp_groups(group)
     checkpoints, subgraph_checkpoints = checkpointed_modules(sch)
+    precision = Precision.of(precision)
+    stage_device = torch.device(device) if device is not None else default_device()
+    precision.check_device(stage_device)
+    own_scaler = grad_scaler is None and precision.loss_scaling
+    if own_scaler:  # fp16: every rank agrees on skipping a step that overflowed
+        grad_scaler = precision.grad_scaler(stage_device.type, sharded=True)
     loss_fn = _scaled_loss(loss_fn, grad_scaler)
     if data_parallel not in DATA_PARALLEL:
         raise TargetError(
@@ -558,12 +574,13 @@ def build_pipeline(
         pp_groups=pp_groups,
         stage_to_rank=stage_to_rank,
         pp_rank=dist.get_rank(pp_group) if pp_group is not None else dist.get_rank(),
-        device=torch.device(device) if device is not None else default_device(),
+        device=stage_device,
         blocks=default_blocks(sch),
         dp_group=_mesh_group(group, "dp"),
         dp_mesh=group["dp"] if _mesh_group(group, "dp") is not None else None,
         data_parallel=data_parallel,
         grad_scaler=grad_scaler,
+        precision=precision,
         tp_group=_mesh_group(group, "tp"),
         checkpoints=checkpoints,
         subgraph_checkpoints=subgraph_checkpoints,
@@ -575,12 +592,21 @@ def build_pipeline(
         opt = make_optimizer(model, optimizer, optimizer_kwargs)
         if opt is not None:
             engine._optimizers.append(opt)
-        return engine, opt
+        return engine, _scaled_optimizer(opt, grad_scaler if own_scaler else None)
     engine.build(
         *((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), origin=_EXAMPLE
     )
     holder = nn.ModuleList(engine.stage_modules.values())
-    return engine, make_optimizer(holder, optimizer, optimizer_kwargs)
+    opt = make_optimizer(holder, optimizer, optimizer_kwargs)
+    return engine, _scaled_optimizer(opt, grad_scaler if own_scaler else None)
+
+
+def _scaled_optimizer(opt: Any, scaler: Any) -> Any:
+    """The optimizer stepping through the scaler ``precision=`` made (None: none made; a user's
+    ``grad_scaler=`` is stepped by the user, as documented)."""
+    if opt is None or scaler is None:
+        return opt
+    return LossScaledOptimizer(opt, scaler)
 
 
 def _batch_tensors(inputs: tuple[Any, ...], origin: str) -> tuple[torch.Tensor, ...]:

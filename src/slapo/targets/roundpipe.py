@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from ..exceptions import TargetError
+from ..precision import Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import OptimizerSpec, make_optimizer
+from .mixed_precision import GRAD_SCALER_ATTR
 from .registry import register_target
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ def build_roundpipe(
     optimizer: OptimizerSpec = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     async_step: bool = False,
+    precision: Precision | str | torch.dtype | None = None,
     **roundpipe_kwargs: Any,
 ) -> tuple[Any, Any]:
     """Wrap the scheduled model with RoundPipe; returns ``(roundpipe_model, optimizer)``.
@@ -51,6 +54,12 @@ def build_roundpipe(
         async_step: ``False`` (default): ``opt.step()`` returns once the model holds the new
             weights, as in torch. ``True``: RoundPipe's asynchronous step; the next iteration
             runs on one-step-stale weights while the optimizer thread steps.
+        precision: ``"bf16"``/``"fp16"``: RoundPipe's mixed precision: the model (in host
+            memory, streamed to the devices) is cast to that dtype and computes in it, while
+            the optimizer steps float32 copies (``optim_dtype=torch.float32``): the master
+            weights and their state. fp16 scales the loss with ``roundpipe.GradScaler``
+            (``slapo.train_step`` scales it; the optimizer unscales on RoundPipe's optimizer
+            thread and skips a step that overflowed).
         **roundpipe_kwargs: passed to ``roundpipe.wrap_model_to_roundpipe``.
 
     Example:
@@ -73,7 +82,16 @@ def build_roundpipe(
         run_config = roundpipe.RoundPipeRunConfig(num_microbatch=num_microbatch)
     elif num_microbatch is not None:
         raise TargetError("pass num_microbatch inside run_config, not both")
+    precision = Precision.of(precision)
     root = sch.mod
+    if precision.mixed:
+        if roundpipe_kwargs.get("optim_dtype", torch.float32) != torch.float32:
+            raise TargetError(
+                f"precision={precision.name!r} keeps float32 optimizer copies (the master "
+                "weights); drop optim_dtype="
+            )
+        roundpipe_kwargs["optim_dtype"] = torch.float32
+        root.to(precision.compute_dtype)
     layers = list(root) if isinstance(root, nn.Sequential) else None
     model = roundpipe.wrap_model_to_roundpipe(
         root, layers=layers, model_run_config=run_config, pin_model=pin_model, **roundpipe_kwargs
@@ -99,7 +117,10 @@ def build_roundpipe(
             f"optimizer= made a {type(inner).__name__}; target roundpipe needs a "
             "torch.optim.Optimizer (e.g. optimizer=torch.optim.AdamW or roundpipe.optim.Adam)"
         )
-    return model, RoundPipeOptimizer(model, inner, is_async=async_step)
+    scaler = roundpipe.GradScaler() if precision.loss_scaling else None
+    if scaler is not None:  # slapo.train_step scales the loss with it
+        object.__setattr__(model, GRAD_SCALER_ATTR, scaler)
+    return model, RoundPipeOptimizer(model, inner, is_async=async_step, scaler=scaler)
 
 
 def stage_plan(layers: list[nn.Module], cuts: list[tuple[str, nn.Module]]) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ..exceptions import SlapoError
+from ..exceptions import InputError
 from ..model_schedule import ATTN_OPS, CKPT_POLICIES, Knobs
 from ..precision import DEVICES, PRECISIONS
 from ..primitives.compile_rng import RNG_MODES
@@ -50,12 +50,6 @@ def knob_fields() -> tuple[str, ...]:
     """
     knobs = Knobs.__dataclass_fields__
     return tuple(f.name for f in fields(TrainConfig) if f.name in knobs)
-
-
-class InputError(SlapoError):
-    """Bad input on the command line (a flag out of range, a data file or model directory that
-    cannot be used): ``slapo train`` prints the message as one line and exits with status 2, as
-    argparse does for a usage error."""
 
 
 def parse_attn_op(text: str) -> str:

@@ -17,7 +17,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import InputError
+from ..exceptions import InputError
 
 __all__ = ["SUFFIXES", "Piece", "data_files", "read_pieces"]
 

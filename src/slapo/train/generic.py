@@ -15,10 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from ..exceptions import SlapoError
+from ..exceptions import InputError, SlapoError
 from ..model_schedule import GENERIC_KNOBS, apply_schedule, family_limits, find_blocks
 from ..schedule import Schedule
-from .config import InputError
 
 __all__ = ["GENERIC_KNOBS", "check_knobs", "describe_plan", "find_blocks", "generic_schedule"]
 

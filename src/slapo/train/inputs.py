@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from ..data import VOCAB_SIZE, default_corpus
-from .config import InputError, TrainConfig
+from ..exceptions import InputError
+from .config import TrainConfig
 from .generic import check_knobs
 from .layout import schedule_family
 from .model_source import ModelSource, config_for, max_positions, resolve_model

@@ -17,7 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -29,6 +28,7 @@ from .config import TrainConfig, knob_fields
 from .generic import GENERIC_KNOBS, generic_schedule
 from .model_source import resolve_model
 from .presets import MODELS, default_schedule
+from .run import ResolvedRun, resolve_run
 from .uses import (
     DEEPSPEED_ZERO_STAGE,
     PIPELINE_DATA_PARALLEL,
@@ -88,11 +88,11 @@ def build_target(cfg: TrainConfig) -> str:
         ('pipeline', 'eager')
     """
     replicas = int(os.environ.get("WORLD_SIZE", "1")) // cfg.tp
-    return run_target(cfg.target, cfg.pp, replicas)
+    return run_target(cfg.target, cfg.pp, replicas)  # as resolve_run decides it
 
 
 # ----- the process layout ------------------------------------------------------------------------
-def setup_layout(cfg: TrainConfig) -> Layout:
+def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
     """Start the process group under torchrun and lay the ranks out on one mesh: ``("dp", "pp",
     "tp")`` with ``--pp`` 2 or more, else ``("dp", "tp")``; dp = processes / (tp * pp), the
     tensor-parallel ranks adjacent (as torchtitan lays them out: the busiest links innermost).
@@ -101,8 +101,8 @@ def setup_layout(cfg: TrainConfig) -> Layout:
         >>> setup_layout(TrainConfig(tp=2, pp=2)).describe()  # torchrun --nproc-per-node 8
         'dp 2 x pp 2 x tp 2 (8 processes)'
     """
-    target = build_target(cfg)
-    use = TARGET_USES[target]
+    run = run or resolve_run(cfg)
+    target, use = run.target, run.use
     if use.checkpoint is None and (cfg.save or cfg.resume):
         raise SlapoError(f"--save/--resume are not wired for --target {target} yet")
     if use.checkpoint == "per-rank" and cfg.save_every:
@@ -114,7 +114,7 @@ def setup_layout(cfg: TrainConfig) -> Layout:
     model_parallel = cfg.tp * cfg.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if use.process_group or world > 1 or model_parallel > 1:
-        env.setup()
+        env.setup(backend=run.backend)  # NCCL between GPUs, gloo between CPU processes
         world = dist.get_world_size()
     if world % model_parallel:
         flags = " x ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
@@ -124,7 +124,7 @@ def setup_layout(cfg: TrainConfig) -> Layout:
         )
     if world == 1:
         return Layout()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = run.device.type
     dp = world // model_parallel
     if cfg.pp > 1:
         shape, names = (dp, cfg.pp, cfg.tp), ("dp", "pp", "tp")

@@ -32,16 +32,18 @@ from ..sharding import all_reduce
 from ..sharding.sequence import SP_TAG
 from ..sharding.sync_ops import on_named_param_grads
 from ..targets import train_step
+from ..throughput import device_peak_tflops, mfu, model_flops_per_token
 from .config import TrainConfig
 from .evaluation import Evaluator, eval_batches, wants_eval
 from .events import Events, open_events
 from .generic import describe_plan
 from .inputs import RunInputs, prepare_inputs
-from .layout import TARGET_USES, Layout, build_target, schedule_for, schedule_knobs, setup_layout
+from .layout import Layout, schedule_for, schedule_knobs, setup_layout
 from .lr_schedule import make_scheduler
 from .memory import PeakMemory, estimate_run, estimated_peak_mb, local_part
 from .presets import build_model
 from .report import write_outputs
+from .run import ResolvedRun, resolve_run
 from .sample import sample_text
 from .state import (
     RunState,
@@ -110,6 +112,19 @@ class ReplicaSlice:
         self.batches.load_state_dict(state)
 
 
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``batch`` on ``device``: to a GPU from pinned host memory, without blocking the host.
+
+    Example:
+        >>> to_device({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, torch.device("cpu"))
+        {'input_ids': tensor([[0, 0, 0, 0],
+                [0, 0, 0, 0]])}
+    """
+    if device.type == "cpu":
+        return batch
+    return {k: v.pin_memory().to(device, non_blocking=True) for k, v in batch.items()}
+
+
 def _sum_sequence_parallel_grads(model: nn.Module, group: Any) -> None:
     """Sum each gradient of a parameter that sequence parallelism tagged over ``group``, as
     backward computes it (before it is accumulated, so gradient accumulation stays right).
@@ -135,16 +150,21 @@ class Runner:
         >>> loss = runner.step(make_batches(TrainConfig(), Layout()).next())
     """
 
-    def __init__(self, cfg: TrainConfig, layout: Layout, scheduled: bool) -> None:
+    def __init__(
+        self, cfg: TrainConfig, layout: Layout, scheduled: bool, run: ResolvedRun | None = None
+    ) -> None:
         self.cfg, self.layout = cfg, layout
+        self.run = run = run or resolve_run(cfg)
         torch.manual_seed(cfg.seed)  # the same initial weights for every run and every rank
         model = build_model(cfg)
         model.train()
+        # counted whole, before tensor parallelism shards the weights or an engine wraps them
+        self.flops_per_token = model_flops_per_token(model, cfg.seq_len)
         self.sch = schedule_for(cfg, model, layout, scheduled)
         if layout.tp_group is not None:
             _sum_sequence_parallel_grads(self.sch.mod, layout.tp_group)
-        self.target = build_target(cfg)
-        options = TARGET_USES[self.target].options(cfg, layout)
+        self.target = run.target
+        options = {**run.use.options(cfg, layout), **run.build_options()}  # device, precision
         self.model, self.optimizer = build(
             self.sch,
             target=self.target,
@@ -162,7 +182,7 @@ class Runner:
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on ``batch``; returns its loss (the training-loop contract)."""
-        loss = train_step(self.model, batch).detach()
+        loss = train_step(self.model, to_device(batch, self.run.batch_device)).detach()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -179,7 +199,7 @@ class Runner:
         """What a checkpoint of this run holds (:mod:`slapo.train.state`)."""
         return RunState(
             self.cfg, self.sch.mod, self.model, self.optimizer, self.scheduler, batches, record,
-            self.layout.rank, self.layout.world, TARGET_USES[self.target].checkpoint or "",
+            self.layout.rank, self.layout.world, self.run.use.checkpoint or "",
             identity, inputs.tokenizer,
         )  # fmt: skip
 
@@ -231,6 +251,7 @@ def run_once(
     label: str,
     inputs: RunInputs | None = None,
     watch: bool = True,
+    run: ResolvedRun | None = None,
 ) -> dict[str, Any]:
     """Train one model (the scheduled or the unscheduled one) on ``inputs`` (default: prepared
     from ``cfg``); returns its record. A ``watch``ed run (the main one, not a short baseline)
@@ -245,7 +266,7 @@ def run_once(
         cfg = replace(cfg, save=None, resume=None)
     identity = model_identity(cfg) if cfg.save or cfg.resume else {}
     resume = check_resume(cfg, layout.rank, layout.world, identity) if cfg.resume else None
-    runner = Runner(cfg, layout, scheduled)
+    runner = Runner(cfg, layout, scheduled, run)
     batches = make_batches(cfg, layout, inputs)
     estimate = estimate_run(runner, batches)  # before any step: a prediction, not a reading
     record = new_record()
@@ -283,6 +304,7 @@ def run_once(
         watcher.finish()
     # what this rank holds: a DTensor (FSDP2, Hugging Face's TP plan) counts its local shard
     parameters = sum(local_part(p).numel() for p in runner.model.parameters())
+    curve = _curve(record)
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,
@@ -291,6 +313,9 @@ def run_once(
         "parameters": parameters,
         "layout": layout.describe(),
         "target": runner.target,
+        "device": str(runner.run.device),
+        "precision": runner.run.precision.name,
+        "placement": runner.run.describe(),
         "ranks": _per_rank(layout, parameters, mem.peak_mb, estimated_peak_mb(estimate)),
         "primitives": [str(r) + f" @ {r.path}" for r in runner.sch.metadata.primitives],
         "checkpointed_layers": sum(r.name == "checkpoint" for r in runner.sch.metadata.primitives),
@@ -298,11 +323,25 @@ def run_once(
         "activation_mb": mem.activation_mb,
         "estimated_peak_mb": estimated_peak_mb(estimate),
         "estimate": None if estimate is None else estimate.as_dict(),
-        **_curve(record),
+        **curve,
+        "flops_per_token": runner.flops_per_token,
+        "peak_tflops": _peak_tflops(cfg, runner.run),
+        "mfu": mfu(
+            curve["tokens_per_s"], runner.flops_per_token, _peak_tflops(cfg, runner.run),
+            num_devices=layout.world,
+        ),
         "resumed_from": None if resume is None else str(resume),
         "resumed_at": start if resume is not None else None,
         "saved": cfg.save,
     }
+
+
+def _peak_tflops(cfg: TrainConfig, run: ResolvedRun) -> float | None:
+    """The device's dense peak in the run's precision: ``--peak-tflops``, else the table of
+    common GPUs (:mod:`slapo.throughput`); None on the CPU."""
+    if cfg.peak_tflops is not None:
+        return cfg.peak_tflops
+    return device_peak_tflops(run.device, run.precision.name)
 
 
 def _per_rank(
@@ -350,7 +389,7 @@ def _sample(
 ) -> list[str] | None:
     """Text the trained model writes (rank 0; None on other ranks and targets that shard or
     stream the weights)."""
-    if layout.rank != 0 or not TARGET_USES[build_target(cfg)].samples or cfg.tp > 1:
+    if layout.rank != 0 or not runner.run.use.samples or cfg.tp > 1:
         return None
     family = cfg.model if inputs.source.kind == "family" else "causal"
     return sample_text(
@@ -366,13 +405,11 @@ def _tokens_per_s(step_tps: list[float]) -> float:
     return len(steady) / sum(1.0 / x for x in steady)  # total tokens / total time, per step
 
 
-def _short_baseline(cfg: TrainConfig) -> bool:
+def _short_baseline(cfg: TrainConfig, run: ResolvedRun) -> bool:
     """Whether the run measures a short unscheduled baseline first: not for an unscheduled run,
     nor on a target without one (``TargetUse.baseline``: the pipeline's stages come from the
-    schedule's cuts)."""
-    return (
-        cfg.baseline_steps > 0 and not cfg.unscheduled and TARGET_USES[build_target(cfg)].baseline
-    )
+    schedule's cuts). It runs on the same device in the same precision."""
+    return cfg.baseline_steps > 0 and not cfg.unscheduled and run.use.baseline
 
 
 class _KnownCheckpointNotice(logging.Filter):
@@ -397,25 +434,28 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         3
     """
     cfg.check()
+    run = resolve_run(cfg)  # target, device and precision: decided once
     inputs = prepare_inputs(cfg)  # every input checked before anything is built or written
     logging.getLogger("torch._higher_order_ops.wrap").addFilter(_KNOWN_NOTICE)
     started_group = not dist.is_initialized()
     try:
-        layout = setup_layout(cfg)
-        if TARGET_USES[build_target(cfg)].checkpoint == "full":  # replaced whole by the save
+        layout = setup_layout(cfg, run)
+        if run.use.checkpoint == "full":  # replaced whole by the save
             check_save(cfg)
         if cfg.resume:  # a checkpoint of this model, before the baseline trains
             check_resume(cfg, layout.rank, layout.world, model_identity(cfg))
         runs = []
         if cfg.compare:
             unscheduled = replace(cfg, save=None, resume=None)
-            runs.append(run_once(unscheduled, layout, False, "unscheduled", inputs, watch=False))
-        elif _short_baseline(cfg):  # a few eager steps: tokens/s and memory, side by side
+            runs.append(
+                run_once(unscheduled, layout, False, "unscheduled", inputs, watch=False, run=run)
+            )
+        elif _short_baseline(cfg, run):  # a few eager steps: tokens/s and memory, side by side
             short = replace(
                 cfg, steps=min(cfg.baseline_steps, cfg.steps), save=None, resume=None
             )  # fmt: skip
-            runs.append(run_once(short, layout, False, "unscheduled", inputs, watch=False))
-        runs.append(run_once(cfg, layout, not cfg.unscheduled, "scheduled", inputs))
+            runs.append(run_once(short, layout, False, "unscheduled", inputs, watch=False, run=run))
+        runs.append(run_once(cfg, layout, not cfg.unscheduled, "scheduled", inputs, run=run))
     finally:
         if started_group and dist.is_initialized():  # leave the process as we found it
             env.teardown()

@@ -108,6 +108,13 @@ def _rank_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _mfu_cell(run: dict[str, Any]) -> str:
+    """Model FLOPs utilization: the FLOPs the tokens/s need over the devices' peak."""
+    if run.get("mfu") is None:
+        return "n/a"  # no peak known (the CPU, an unknown GPU): --peak-tflops gives one
+    return f"{100 * run['mfu']:.1f}% of {run['peak_tflops']:g} TFLOPS"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table; with ``--compare``, the baseline and the scheduled run side by side."""
     runs = [summary["baseline"], summary] if "baseline" in summary else [summary]
@@ -119,6 +126,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             str(run["checkpointed_layers"]),
             f"{run['first_loss']:.3f} -> {run['final_loss']:.3f}",
             f"{run['tokens_per_s']:,.0f}",
+            _mfu_cell(run),
             f"{run['peak_memory_mb']:,.1f}",
             f"{run['activation_mb']:,.1f}",
             _estimate_cell(run),
@@ -127,7 +135,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
     names = [
         "parameters", "checkpointed layers", "loss (first -> last 10 mean)", "tokens/s",
-        "peak memory (MiB)", "  of which saved activations", "estimated peak (MiB)", "time (s)",
+        "MFU", "peak memory (MiB)", "  of which saved activations", "estimated peak (MiB)", "time (s)",
     ]  # fmt: skip
     cols = [cells(r) for r in runs]
     header = [""] + [
@@ -146,6 +154,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     for i, name in enumerate(names):
         lines.append(f"{name:<{width}}  " + "  ".join(f"{c[i]:>{w}}" for c, w in zip(cols, colw)))
     lines += _rank_lines(summary)
+    if summary.get("placement"):
+        lines.append(f"device: {summary['placement']}")
     if len(runs) > 1 and runs[0]["tokens_per_s"] and runs[0]["peak_memory_mb"]:
         speed = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
         memory = runs[1]["peak_memory_mb"] / runs[0]["peak_memory_mb"]

@@ -77,6 +77,10 @@ class TargetUse:
         whole_estimate: the built model is the schedule's module itself, estimated whole by
             :func:`slapo.estimate_memory` (else per rank by :func:`slapo.estimate_layout`).
         compile_model: the whole-model compilation is recommended on it (where it was measured).
+        device_option: its ``slapo.build`` takes ``device=`` (the run's device); DeepSpeed's
+            engine places the model on ``LOCAL_RANK``'s accelerator itself.
+        host_state: the model state stays in host memory and the target streams it to the
+            device (RoundPipe): the batches stay on the host too.
 
     Example:
         >>> TargetUse(process_group=True).checkpoint
@@ -94,6 +98,8 @@ class TargetUse:
     stages: bool = False
     whole_estimate: bool = False
     compile_model: bool = False
+    device_option: bool = True
+    host_state: bool = False
 
 
 def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
@@ -145,7 +151,7 @@ TARGET_USES: dict[str, TargetUse] = {
     # replicas of an eager run average whole gradients: DDP
     "eager": TargetUse(samples=True, replicas="ddp", whole_estimate=True, compile_model=True),
     # the optimizer steps RoundPipe's CPU copies of the parameters: saved by the model's names
-    "roundpipe": TargetUse(),
+    "roundpipe": TargetUse(device_option=False, host_state=True),
     "ddp": TargetUse(process_group=True, options=_data_parallel_options, samples=True),
     # FSDP2's parameters and Adam state are DTensors: gathered whole, re-sharded on resume
     "fsdp": TargetUse(process_group=True, options=_data_parallel_options),
@@ -159,7 +165,7 @@ TARGET_USES: dict[str, TargetUse] = {
         stages=True,
     ),  # fmt: skip
     # ZeRO's partitioned optimizer state is gathered by parameter (DeepSpeed's own pickles)
-    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options),
+    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, device_option=False),
 }
 
 
