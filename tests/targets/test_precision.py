@@ -123,3 +123,19 @@ def test_device_cuda_without_a_gpu_is_one_line_naming_the_flag():
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("slapo train: --device cuda: no CUDA GPU")
+
+
+@pytest.mark.parametrize("target", ["eager", "roundpipe"])
+def test_bf16_checkpoints_keep_float32_master_weights_and_resume_exactly(tmp_path, target):
+    """``--save`` in bf16 writes the float32 master weights (RoundPipe's optimizer copies, not
+    its bf16 model); a run resumed from step 3 continues the uninterrupted one bit for bit."""
+    from safetensors.torch import load_file
+
+    common = dict(target=target, precision="bf16", baseline_steps=0, progress=False,
+                  sample=False, compile_model=False, seq_len=32, batch_size=4)  # fmt: skip
+    save = tmp_path / "run"
+    whole = train(TrainConfig(steps=6, save=str(save), save_every=3, **common))["losses"]
+    again = train(TrainConfig(steps=6, resume=str(save / "step-000003"), **common))
+    assert again["resumed_at"] == 3 and again["losses"] == whole
+    weights = load_file(save / "model.safetensors")
+    assert weights and {t.dtype for t in weights.values()} == {torch.float32}

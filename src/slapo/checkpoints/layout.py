@@ -167,6 +167,10 @@ class ModelLayout:
             the parameter of that name (RoundPipe's optimizer copies).
         after_load: called once loaded weights are in the modules (the optimizer copies
             follow them); None: nothing to do.
+        masters: ``{name: tensor}`` stored and loaded in place of the module's tensor of that
+            name: the float32 master weight of a model that computes in a lower precision
+            (RoundPipe's optimizer copy under ``precision="bf16"``), so that a checkpoint keeps
+            what the optimizer steps and a resume loses no bits.
     """
 
     modules: list[nn.Module]
@@ -177,6 +181,7 @@ class ModelLayout:
     uniform: bool = True
     optim_names: dict[int, str] = field(default_factory=dict)
     after_load: Callable[[], None] | None = None
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
     _specs: dict[str, ShardSpec] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -200,6 +205,7 @@ class ModelLayout:
         if self.order is not None:
             known = set(self.order)
             out = {k: v for k, v in out.items() if k in known}
+        out.update({k: v for k, v in self.masters.items() if k in out})
         return out
 
     def parameters(self) -> dict[int, str]:
@@ -301,17 +307,25 @@ def _roundpipe_layout(engine: Any) -> ModelLayout:
     params = dict(module.named_parameters())
     pairs = []
     names: dict[int, str] = {}
+    masters: dict[str, torch.Tensor] = {}
     for name, copy in engine.optim_named_parameters():
         names[id(copy)] = aliases.get(name, name)
         pairs.append((params[name], copy))
+        if copy.dtype != params[name].dtype:  # mixed precision: the copy is the master weight
+            masters[name] = copy
 
     def refresh() -> None:
         engine.synchronize()  # no step may copy older values back over the loaded weights
         with torch.no_grad():
             for param, copy in pairs:
-                copy.copy_(param)
+                if copy.dtype != param.dtype:  # the master was loaded: the model follows it
+                    param.copy_(copy)
+                else:
+                    copy.copy_(param)
 
-    return ModelLayout([module], module, None, aliases, optim_names=names, after_load=refresh)
+    return ModelLayout(
+        [module], module, None, aliases, optim_names=names, after_load=refresh, masters=masters
+    )
 
 
 def model_layout(model: Any) -> ModelLayout:
@@ -342,9 +356,8 @@ def model_layout(model: Any) -> ModelLayout:
         return layout
     if _is_roundpipe(model):
         return _roundpipe_layout(model)
-    if hasattr(model, "zero_optimization_stage") or isinstance(
-        model, nn.parallel.DistributedDataParallel
-    ):
+    engine = model if hasattr(model, "zero_optimization_stage") else None
+    if engine is not None or isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     if not isinstance(model, nn.Module):
         raise CheckpointError(
@@ -356,7 +369,12 @@ def model_layout(model: Any) -> ModelLayout:
             "a DeepSpeed ZeRO-3 model's parameters are partitioned; save it under ZeRO 1 or 2"
         )
     state = model.state_dict(keep_vars=True)
-    return ModelLayout([model], model, None, tied_aliases(state))
+    layout = ModelLayout([model], model, None, tied_aliases(state))
+    if engine is not None:  # bf16/fp16: the checkpoint keeps ZeRO's float32 master weights
+        from .optim import zero_masters  # deferred: optim builds on this module
+
+        zero_masters(engine, layout)
+    return layout
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -196,8 +196,9 @@ class ZeroOptimizerView(OptimizerView):
             _set_hyper(group, saved)
             flat = self._flat(i)
             with torch.no_grad():
-                for _, p in params:  # the fp32 master copy follows the loaded weights
-                    self._scatter(p, p.detach().float(), flat.data)
+                for name, p in params:  # the fp32 master copy follows the loaded weights
+                    if name not in self.layout.masters:  # else it was loaded itself
+                        self._scatter(p, p.detach().float(), flat.data)
             state = self.base.state[flat]
             for name, p in params:
                 for key, tensor_key in meta["tensors"].get(name, {}).items():
@@ -236,3 +237,35 @@ def optimizer_view(optimizer: Any, layout: ModelLayout) -> OptimizerView:
             f"save/load_checkpoint takes a torch optimizer, got {type(optimizer).__name__}"
         )
     return TorchOptimizerView(optimizer, layout)
+
+
+def zero_masters(engine: Any, layout: ModelLayout) -> None:
+    """Under DeepSpeed's bf16/fp16 the module holds low-precision weights and ZeRO's flat fp32
+    partitions are the master weights: put each parameter's full master (gathered over the
+    data-parallel group: collective) in ``layout.masters``, so that a checkpoint stores it, and
+    make ``layout.after_load`` scatter loaded masters back into the partitions and the module.
+
+    Example:
+        >>> layout = model_layout(engine); zero_masters(engine, layout)  # every rank
+    """
+    zero = getattr(engine, "optimizer", None)
+    if not (hasattr(zero, "single_partition_of_fp32_groups") and hasattr(zero, "bit16_groups")):
+        return
+    view = ZeroOptimizerView(zero, layout)
+    pairs = [
+        (i, name, p)
+        for i, params in enumerate(view.groups)
+        for name, p in params
+        if p.dtype != torch.float32
+    ]
+    for i, name, p in pairs:
+        layout.masters[name] = view._gather(i, p, view._flat(i).detach())
+
+    def scatter_loaded() -> None:
+        with torch.no_grad():
+            for i, name, p in pairs:
+                master = layout.masters[name]
+                view._scatter(p, master, view._flat(i).data)
+                p.copy_(master)
+
+    layout.after_load = scatter_loaded

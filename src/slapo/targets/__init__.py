@@ -16,7 +16,9 @@ from __future__ import annotations
 from . import ddp, deepspeed, eager, fsdp, pipeline, roundpipe  # noqa: F401  (registration)
 from .contract import train_step
 from .registry import (
+    TargetRecord,
     get_dialect_cls,
+    get_record,
     get_target,
     init_target_engine,
     list_targets,
@@ -24,6 +26,8 @@ from .registry import (
 )
 
 __all__ = [
+    "TargetRecord",
+    "get_record",
     "get_dialect_cls",
     "get_target",
     "init_target_engine",

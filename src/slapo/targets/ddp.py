@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from ..exceptions import TargetError
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
 from .registry import register_target
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["build_ddp"]
 
 
-@register_target("ddp")
+@register_target("ddp", distributed=True, precisions=PRECISIONS, device_option=True, memory="ddp")
 def build_ddp(
     sch: Schedule,
     device: torch.device | str | None = None,

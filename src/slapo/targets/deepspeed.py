@@ -42,7 +42,7 @@ from torch import nn
 from ..env import export_env
 from ..exceptions import TargetError
 from ..logger import get_logger
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .contract import Batch, output_loss, split_batch
@@ -73,7 +73,7 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-@register_target("deepspeed")
+@register_target("deepspeed", distributed=True, precisions=PRECISIONS, memory="deepspeed")
 def build_deepspeed(
     sch: Schedule,
     config: dict[str, Any] | str | Path | None = None,

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from .common import OptimizerSpec, make_optimizer
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
 from .registry import register_target
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["build_eager"]
 
 
-@register_target("eager")
+@register_target("eager", precisions=PRECISIONS, device_option=True, memory="eager")
 def build_eager(
     sch: Schedule,
     device: torch.device | str | None = None,

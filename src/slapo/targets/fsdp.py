@@ -10,7 +10,7 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..logger import get_logger
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from .common import (
     OptimizerSpec,
     as_device_mesh,
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["build_fsdp"]
 
 
-@register_target("fsdp")
+@register_target("fsdp", distributed=True, precisions=PRECISIONS, device_option=True, memory="fsdp")
 def build_fsdp(
     sch: Schedule,
     device: torch.device | str | None = None,

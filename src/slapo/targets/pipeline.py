@@ -30,7 +30,7 @@ from ..pipeline.failure import FailTogether
 from ..pipeline.partition import stage_metas
 from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm, local_part
 from ..pipeline.stage_checkpoint import checkpoint_stages, checkpointed_modules
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import (
     OptimizerSpec,
@@ -443,7 +443,9 @@ def _narrow_optimizer(
         del opt.state[p]  # no state survives for a parameter the rank no longer steps
 
 
-@register_target("pipeline")
+@register_target(
+    "pipeline", distributed=True, precisions=PRECISIONS, device_option=True, memory="pipeline"
+)
 def build_pipeline(
     sch: Schedule,
     schedule: str = "1F1B",

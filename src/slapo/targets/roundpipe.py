@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..exceptions import TargetError
-from ..precision import Precision
+from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
 from .common import OptimizerSpec, make_optimizer
 from .mixed_precision import GRAD_SCALER_ATTR
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["build_roundpipe", "stage_plan"]
 
 
-@register_target("roundpipe")
+@register_target("roundpipe", precisions=PRECISIONS, host_state=True, memory="roundpipe")
 def build_roundpipe(
     sch: Schedule,
     num_microbatch: int | None = None,

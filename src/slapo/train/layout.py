@@ -113,7 +113,7 @@ def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
     use.check(cfg)
     model_parallel = cfg.tp * cfg.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if use.process_group or world > 1 or model_parallel > 1:
+    if run.record.distributed or world > 1 or model_parallel > 1:
         env.setup(backend=run.backend)  # NCCL between GPUs, gloo between CPU processes
         world = dist.get_world_size()
     if world % model_parallel:

@@ -19,6 +19,7 @@ import torch
 
 from ..exceptions import InputError
 from ..precision import DeviceError, Precision, PrecisionError, default_precision, resolve_device
+from ..targets import TargetRecord, get_record
 from .config import TrainConfig
 from .uses import TARGET_USES, TargetUse, run_target
 
@@ -49,10 +50,16 @@ class ResolvedRun:
         return TARGET_USES[self.target]
 
     @property
+    def record(self) -> TargetRecord:
+        """What the target is (:func:`slapo.targets.get_record`): process group, precisions,
+        placement, memory model."""
+        return get_record(self.target)
+
+    @property
     def batch_device(self) -> torch.device:
         """Where the batches go: the model's device, or the host for a target that keeps the
         model state there and streams it (RoundPipe)."""
-        return torch.device("cpu") if self.use.host_state else self.device
+        return torch.device("cpu") if self.record.host_state else self.device
 
     @property
     def backend(self) -> str:
@@ -67,7 +74,7 @@ class ResolvedRun:
             'bf16'
         """
         options: dict[str, object] = {"precision": self.precision}
-        if self.use.device_option:
+        if self.record.device_option:
             options["device"] = self.device
         return options
 
@@ -78,7 +85,7 @@ class ResolvedRun:
             >>> resolve_run(TrainConfig(precision="bf16")).describe()
             'cpu, bf16 mixed precision (float32 master weights)'
         """
-        where = f"host memory, streamed to {self.device.type}" if self.use.host_state else ""
+        where = f"host memory, streamed to {self.device.type}" if self.record.host_state else ""
         where = where or str(self.device)
         if not self.precision.mixed:
             return f"{where}, fp32"

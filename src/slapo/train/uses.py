@@ -53,10 +53,11 @@ def _no_check(cfg: TrainConfig) -> None:
 
 @dataclass(frozen=True)
 class TargetUse:
-    """How the main job runs on one build target.
+    """How the main job runs on one build target, beside what the target's own record says
+    (:class:`slapo.targets.TargetRecord`: whether it needs ``torch.distributed``, its
+    precisions, where it keeps the model state, its memory model).
 
     Attributes:
-        process_group: start ``torch.distributed`` even for a single process.
         options: ``options(cfg, layout)`` -> the target's ``slapo.build`` options.
         checkpoint: how ``--save``/``--resume`` keep its state (:mod:`slapo.train.state`):
             ``"full"`` (a Hugging Face directory of the full weights and optimizer state,
@@ -77,17 +78,12 @@ class TargetUse:
         whole_estimate: the built model is the schedule's module itself, estimated whole by
             :func:`slapo.estimate_memory` (else per rank by :func:`slapo.estimate_layout`).
         compile_model: the whole-model compilation is recommended on it (where it was measured).
-        device_option: its ``slapo.build`` takes ``device=`` (the run's device); DeepSpeed's
-            engine places the model on ``LOCAL_RANK``'s accelerator itself.
-        host_state: the model state stays in host memory and the target streams it to the
-            device (RoundPipe): the batches stay on the host too.
 
     Example:
-        >>> TargetUse(process_group=True).checkpoint
+        >>> TargetUse(samples=True).checkpoint
         'full'
     """
 
-    process_group: bool = False
     options: Callable[[TrainConfig, Layout], dict[str, Any]] = _no_options
     checkpoint: str | None = "full"
     evaluates: bool = True
@@ -98,8 +94,6 @@ class TargetUse:
     stages: bool = False
     whole_estimate: bool = False
     compile_model: bool = False
-    device_option: bool = True
-    host_state: bool = False
 
 
 def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
@@ -151,12 +145,11 @@ TARGET_USES: dict[str, TargetUse] = {
     # replicas of an eager run average whole gradients: DDP
     "eager": TargetUse(samples=True, replicas="ddp", whole_estimate=True, compile_model=True),
     # the optimizer steps RoundPipe's CPU copies of the parameters: saved by the model's names
-    "roundpipe": TargetUse(device_option=False, host_state=True),
-    "ddp": TargetUse(process_group=True, options=_data_parallel_options, samples=True),
+    "roundpipe": TargetUse(),
+    "ddp": TargetUse(options=_data_parallel_options, samples=True),
     # FSDP2's parameters and Adam state are DTensors: gathered whole, re-sharded on resume
-    "fsdp": TargetUse(process_group=True, options=_data_parallel_options),
+    "fsdp": TargetUse(options=_data_parallel_options),
     "pipeline": TargetUse(
-        process_group=True,
         options=_pipeline_options,
         checkpoint="full",  # each rank writes its stages' tensors into one directory
         evaluates=False,
@@ -165,7 +158,7 @@ TARGET_USES: dict[str, TargetUse] = {
         stages=True,
     ),  # fmt: skip
     # ZeRO's partitioned optimizer state is gathered by parameter (DeepSpeed's own pickles)
-    "deepspeed": TargetUse(process_group=True, options=_deepspeed_options, device_option=False),
+    "deepspeed": TargetUse(options=_deepspeed_options),
 }
 
 
