@@ -36,10 +36,14 @@ optimizer and batch that `slapo train` builds from the same flags, without alloc
 runs on fake tensors (slapo.estimate_memory). A layout of --dp x --pp x --tp processes is estimated
 for one of them (--rank R, on the ("dp", "pp", "tp") mesh) under the --target engine: FSDP and ZeRO
 shards, a pipeline stage with the microbatches its schedule keeps in flight, tensor-parallel
-shards, RoundPipe's device-resident bytes (slapo.estimate_layout)."""
+shards, RoundPipe's device-resident bytes (slapo.estimate_layout). --precision bf16 or fp16 keeps
+float32 master weights and optimizer state as each engine does; --device cuda estimates for a GPU
+(also on a machine without one) and adds what CUDA's caching allocator reserves. --model takes a
+directory holding only config.json: no weights are read."""
 #: The ``slapo train`` flags that shape the estimated step: these and every schedule knob.
 ESTIMATE_FLAGS = (
     "model", "preset", "batch_size", "seq_len", "seed", "unscheduled", "target", "num_microbatches",
+    "device", "precision",
 )  # fmt: skip
 
 
@@ -130,10 +134,14 @@ def _estimate(args: argparse.Namespace) -> int:
     world = args.dp * cfg.pp * cfg.tp
     tp = f", {last.target} rank {args.rank} of {world}" if world > 1 else ""
     knobs = schedule_knobs(cfg)
+    from .train.presets import MODELS
+
+    # a model directory has its own size; a family or a model type is --preset's
+    sized = "" if cfg.model not in MODELS and os.path.isdir(cfg.model) else f" ({cfg.preset})"
     print(
-        f"slapo estimate: {cfg.model} ({cfg.preset}), batch {cfg.batch_size} x {cfg.seq_len} "
+        f"slapo estimate: {cfg.model}{sized}, batch {cfg.batch_size} x {cfg.seq_len} "
         f"tokens, ckpt_ratio {knobs['ckpt_ratio']}, ckpt_policy {knobs.get('ckpt_policy')}{tp}, "
-        f"optimizer {args.optimizer}"
+        f"optimizer {args.optimizer}, {last.precision} on {last.device}"
     )
     if len(ests) == 1:
         print(last)
@@ -142,6 +150,8 @@ def _estimate(args: argparse.Namespace) -> int:
                 ("optimizer state", "optimizer_state"), ("activations", "activations"),
                 ("peak (all of the above)", "peak"), ("live peak (with temporaries)", "live_peak"),
                 ("required (larger of the two)", "required")]  # fmt: skip
+        if last.device == "cuda":
+            rows.append(("reserved (CUDA allocator)", "reserved"))
         print(f"{'':<30}" + "".join(f"{label:>14}" for label in ests))
         for name, attr in rows:
             cells = "".join(f"{format_bytes(getattr(e, attr)):>14}" for e in ests.values())

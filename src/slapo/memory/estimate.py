@@ -30,6 +30,22 @@ live_peak     the most bytes alive at once in a steady-state step (the optimizer
               ``peak``: ``required`` is the larger of the two, what a memory budget must hold
 ============  ===================================================================================
 
+Mixed precision (``precision="bf16"`` or ``"fp16"``) runs the fake step the way the engine runs
+it. By default as the eager, DDP and pipeline targets do: the parameters stay float32 (the master
+weights; their gradients and the optimizer state are float32 too) and the forward runs under
+``torch.autocast``, so the activations are in the compute dtype and include the compute-dtype
+copies of the weights that autocast casts and the backward needs (``weight_copies``, a part of
+``activations``). With ``cast_params=True`` the module computes with parameters in the compute
+dtype (FSDP2's gathered parameters, DeepSpeed's and RoundPipe's cast module): their gradients
+are in that dtype, and the optimizer steps float32 master copies of them (an ``engine`` part).
+
+On CUDA the caching allocator reserves more than the tensors' bytes: :attr:`MemoryEstimate.reserved`
+rounds each tensor to the allocator's block sizes and adds a fragmentation allowance
+(:func:`slapo.memory.units.reserved_bytes`). Fake tensors on ``cuda`` need a CUDA build of torch:
+on one without, an estimate for ``device="cuda"`` runs its fake step on the CPU (``stand_in``)
+and autocasts with the CPU's op lists, which keep a few ops (softmax, layer norm) in the compute
+dtype where CUDA's autocast computes them in float32.
+
 The batch stays real (it is small): control flow that reads it (a model skipping its attention
 mask when nothing is padded) is then exactly the real run's. Compiled code (``torch.compile``, the
 ``compile`` primitive, the fused kernels) runs uncompiled in the fake run (compiled kernels cannot
@@ -59,9 +75,19 @@ import torch
 from torch import nn
 
 from ..exceptions import SlapoError
-from .units import format_bytes, parse_bytes
+from ..precision import Precision, PrecisionError
+from .units import allocator_rounding, format_bytes, parse_bytes, reserved_bytes
 
-__all__ = ["EstimateError", "MemoryEstimate", "estimate_memory", "fake_process_group"]
+__all__ = [
+    "MASTER_WEIGHTS",
+    "EstimateError",
+    "MemoryEstimate",
+    "estimate_memory",
+    "fake_process_group",
+]
+
+#: The ``engine_parts`` name of the float32 master copies an engine that casts its module keeps.
+MASTER_WEIGHTS = "fp32 master weights"
 
 
 class EstimateError(SlapoError, RuntimeError):
@@ -86,6 +112,13 @@ class MemoryEstimate:
         device_resident: RoundPipe only: the most bytes one device holds at once.
         target, layout, stage: the build target, ``{"dp", "pp", "tp"}`` sizes and the pipeline
             stage (None without one) this rank's estimate is of.
+        precision: the precision the step trains in (``"fp32"``, ``"bf16"``, ``"fp16"``).
+        weight_copies: of ``activations``, the compute-dtype copies of weights that autocast
+            made and the backward keeps (0 without autocast).
+        rounding: per part, the bytes CUDA's caching allocator adds to its tensors by rounding
+            them to its block sizes (:func:`slapo.memory.units.allocator_rounding`).
+        stand_in: the device type the fake step ran on in place of ``device`` (the CPU for a
+            ``cuda`` estimate on a torch without CUDA), else None.
 
     Example:
         >>> est = slapo.estimate_memory(sch, batch)
@@ -113,6 +146,10 @@ class MemoryEstimate:
     target: str = "eager"
     layout: dict[str, int] = field(default_factory=lambda: {"dp": 1, "pp": 1, "tp": 1})
     stage: int | None = None
+    precision: str = "fp32"
+    weight_copies: int = 0
+    rounding: dict[str, int] = field(default_factory=dict)
+    stand_in: str | None = None
 
     @property
     def peak(self) -> int:
@@ -128,13 +165,29 @@ class MemoryEstimate:
         """What a memory budget must hold: the larger of :attr:`peak` and :attr:`live_peak`."""
         return max(self.peak, self.live_peak)
 
+    @property
+    def reserved(self) -> int:
+        """What CUDA's caching allocator reserves for :attr:`required`: each tensor rounded to
+        the allocator's block sizes (512 B; a tensor over 1 MiB to 2 MiB; :attr:`rounding`),
+        plus :data:`~slapo.memory.units.RESERVED_ALLOWANCE` (5%) for fragmentation, in whole
+        2 MiB segments. The temporaries of ``live_peak`` are counted unrounded.
+
+        Example:
+            >>> est.reserved >= est.required
+            True
+        """
+        return reserved_bytes(self.required, sum(self.rounding.values()))
+
     def fits(self, budget: int | float | str) -> bool:
         """Whether :attr:`required` fits ``budget`` (bytes, or text such as ``"8GiB"``)."""
         return self.required <= parse_bytes(budget)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every field, ``peak`` and ``required`` included, as JSON-ready values."""
-        return {**asdict(self), "peak": self.peak, "required": self.required}
+        """Every field, ``peak``, ``required`` and ``reserved`` included, as JSON-ready values."""
+        return {
+            **asdict(self), "peak": self.peak, "required": self.required,
+            "reserved": self.reserved,
+        }  # fmt: skip
 
     def by_block(self) -> dict[str, int]:
         """:attr:`by_module` summed per block: a path is cut after its first index
@@ -166,9 +219,13 @@ class MemoryEstimate:
         ]  # fmt: skip
         width = 28
         lines = [
-            f"memory estimate: {self.model} on {self.device}, optimizer {self.optimizer}{where}"
+            f"memory estimate: {self.model} on {self.device}{self._placement_words()}, "
+            f"optimizer {self.optimizer}{where}"
         ]
         lines += [f"  {name:<{width}}{format_bytes(n):>12}" for name, n in rows]
+        if self.weight_copies:
+            copies = format_bytes(self.weight_copies)
+            lines.insert(6, f"    {'of which weight copies':<{width - 2}}{copies:>12}")
         lines.append("  " + "-" * (width + 12))
         lines.append(f"  {'peak (all of the above)':<{width}}{format_bytes(self.peak):>12}")
         lines.append(
@@ -177,6 +234,9 @@ class MemoryEstimate:
         lines.append(
             f"  {'required (larger of the two)':<{width}}{format_bytes(self.required):>12}"
         )
+        if self.device == "cuda":
+            reserved = format_bytes(self.reserved)
+            lines.append(f"  {'reserved (CUDA allocator)':<{width}}{reserved:>12}")
         if self.device_resident is not None:
             resident = format_bytes(self.device_resident)
             lines.append(f"  {'resident on one device':<{width}}{resident:>12}")
@@ -193,6 +253,12 @@ class MemoryEstimate:
                 others = f"({len(blocks) - len(keep)} more)"
                 lines.append(f"    {others:<{width - 2}}{format_bytes(rest):>12}")
         return "\n".join(lines)
+
+    def _placement_words(self) -> str:
+        words = "" if self.precision == "fp32" else f", {self.precision} (fp32 master weights)"
+        if self.stand_in is not None:
+            words += f" (fake step on {self.stand_in}: no CUDA in this torch)"
+        return words
 
     def __str__(self) -> str:
         return self.table()
@@ -286,13 +352,15 @@ def _make_counter() -> Any:
     class Counter(TorchDispatchMode):
         """Every storage the step's ops create: bytes alive now, the most alive at once, and the
         module that was running when each was created. Storages that existed before the step
-        (parameters, buffers, the batch) and views of them are not counted."""
+        (parameters, buffers, the batch) and views of them are not counted. ``copies`` are the
+        storages cast from a parameter's (``params``): autocast's weight copies."""
 
-        def __init__(self, known: set[int], where: Callable[[], str]) -> None:
+        def __init__(self, known: set[int], where: Callable[[], str], params: set[int]) -> None:
             super().__init__()
-            self.known, self.where = known, where
+            self.known, self.where, self.params = known, where, params
             self.alive: dict[int, tuple[Any, int]] = {}  # id(storage) -> (weak ref, bytes)
             self.origin: dict[int, str] = {}
+            self.copies: set[int] = set()
             self.now = self.peak = 0
 
         def _gone(self, key: int, _ref: Any) -> None:
@@ -315,6 +383,10 @@ def _make_counter() -> Any:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.add(t)
+            if func is torch.ops.aten._to_copy.default and isinstance(out, torch.Tensor):
+                source = _storage(args[0]) if isinstance(args[0], torch.Tensor) else None
+                if source is not None and id(source) in self.params:
+                    self.copies.add(id(_storage(out)))
             return out
 
     return Counter
@@ -418,28 +490,44 @@ def _fake_optimizer(
 
 
 def _fake_state(
-    model: nn.Module, mode: Any, device: torch.device | None
+    model: nn.Module, mode: Any, device: torch.device | None, param_dtype: torch.dtype | None
 ) -> tuple[dict[str, torch.Tensor], dict[int, torch.Tensor], list[torch.Tensor]]:
-    """Fake twins of the model's parameters and buffers: (by name, param id -> fake, buffers)."""
+    """Fake twins of the model's parameters and buffers: (by name, param id -> fake, buffers).
+    ``param_dtype`` (None: their own) is the dtype of the floating-point parameters' twins."""
     made: dict[int, torch.Tensor] = {}
 
-    def fake(t: torch.Tensor) -> torch.Tensor:
+    def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if id(t) not in made:
-            if t.device.type == "meta" or (device is not None and t.device != device):
+            moved = t.device.type == "meta" or (device is not None and t.device != device)
+            if moved or dtype != t.dtype:
+                where = device or (torch.device("cpu") if t.device.type == "meta" else t.device)
                 with mode:
-                    f = torch.empty_strided(
-                        t.size(), t.stride(), dtype=t.dtype, device=device or "cpu"
-                    )
+                    f = torch.empty_strided(t.size(), t.stride(), dtype=dtype, device=where)
                 made[id(t)] = f.requires_grad_(t.requires_grad)
             else:
                 made[id(t)] = mode.from_tensor(t)
         return made[id(t)]
 
-    by_name = {n: fake(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    def dtype_of(p: torch.Tensor) -> torch.dtype:
+        return param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+
+    by_name = {n: fake(p, dtype_of(p)) for n, p in model.named_parameters(remove_duplicate=False)}
     fake_of = {id(p): made[id(p)] for p in model.parameters()}
-    buffers = [fake(b) for b in model.buffers()]
-    by_name.update({n: fake(b) for n, b in model.named_buffers(remove_duplicate=False)})
+    buffers = [fake(b, b.dtype) for b in model.buffers()]
+    by_name.update({n: fake(b, b.dtype) for n, b in model.named_buffers(remove_duplicate=False)})
     return by_name, fake_of, buffers
+
+
+def _master_copies(trainable: list[torch.Tensor], mode: Any) -> dict[int, torch.Tensor]:
+    """float32 copies of the trainable fake parameters (by the fake's id): the master weights
+    an engine that casts the module keeps for its optimizer."""
+    masters = {}
+    for p in trainable:
+        with mode:
+            masters[id(p)] = torch.empty_strided(
+                p.size(), p.stride(), dtype=torch.float32, device=p.device
+            ).requires_grad_(True)
+    return masters
 
 
 def _default_device(model: nn.Module) -> torch.device | None:
@@ -450,13 +538,46 @@ def _default_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-def _nbytes(tensors: Any) -> int:
+def _step_device(
+    model: nn.Module, device: str | torch.device | None
+) -> tuple[torch.device | None, str | None]:
+    """The device the fake step runs on (None: each tensor's own) and the stand-in's type:
+    fake CUDA tensors crash a torch built without CUDA in their backward, so an estimate for
+    ``cuda`` there runs on the CPU."""
+    try:
+        dev = torch.device(device) if device is not None else _default_device(model)
+    except (RuntimeError, TypeError) as exc:
+        raise EstimateError(f"device={device!r} is no torch device: {exc}") from exc
+    if dev is not None and dev.type == "cuda" and not torch.cuda.is_available():
+        return torch.device("cpu"), "cpu"
+    return dev, None
+
+
+def _precision_arg(precision: Any) -> Precision:
+    try:
+        return Precision.of(precision)
+    except PrecisionError as exc:
+        raise EstimateError(f"precision={precision!r}: {exc}") from exc
+
+
+def _sizes(tensors: Any) -> list[int]:
+    """The bytes of each distinct storage behind ``tensors``."""
     seen: dict[int, int] = {}
     for t in tensors:
         st = _storage(t)
         if st is not None:
             seen[id(st)] = st.nbytes()
-    return sum(seen.values())
+    return list(seen.values())
+
+
+def _nbytes(tensors: Any) -> int:
+    return sum(_sizes(tensors))
+
+
+def _state_tensors(opt: Any) -> list[torch.Tensor]:
+    return [
+        v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]  # fmt: skip
 
 
 def estimate_memory(
@@ -467,6 +588,8 @@ def estimate_memory(
     optimizer_kwargs: Mapping[str, Any] | None = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     device: str | torch.device | None = None,
+    precision: Precision | str | torch.dtype | None = None,
+    cast_params: bool = False,
 ) -> MemoryEstimate:
     """Predict the memory of one training step of ``sch`` on ``batch``, without allocating it.
 
@@ -480,7 +603,15 @@ def estimate_memory(
             for this model (its class and hyperparameters are used), or None for no state.
         loss_fn: ``loss_fn(output, target)`` as for :func:`slapo.train_step`.
         device: the device the model trains on, for a model on the meta device (default
-            "cpu"); its tensors' own devices otherwise.
+            "cpu"); its tensors' own devices otherwise. ``"cuda"`` works without a GPU (the
+            fake step then runs on the CPU, see ``stand_in``).
+        precision: ``"fp32"`` (None), or mixed ``"bf16"``/``"fp16"``: float32 parameters,
+            gradients and optimizer state, the forward under ``torch.autocast`` (the eager,
+            DDP and pipeline targets).
+        cast_params: with mixed ``precision``, the module computes with parameters in the
+            compute dtype instead of autocasting (FSDP2's gathered parameters, DeepSpeed's and
+            RoundPipe's cast module): ``params`` and ``grads`` are in that dtype, and the
+            optimizer steps float32 master copies (``engine_parts[MASTER_WEIGHTS]``).
 
     Returns:
         A :class:`MemoryEstimate` (bytes; ``print`` it for a table). With a process group
@@ -497,19 +628,23 @@ def estimate_memory(
         >>> est = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids},
         ...                             optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
         >>> print(est)
+        >>> bf16 = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids}, precision="bf16")
+        >>> bf16.activations < est.activations, bf16.grads == est.grads
+        (True, True)
     """
     # deferred: fake tensors and the contract pull in modules `import slapo` does not need
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.nn.utils.stateless import _reparametrize_module
 
     from ..targets.contract import output_loss, split_batch
 
     model = _module_of(sch)
+    prec = _precision_arg(precision)
+    cast = bool(cast_params) and prec.mixed
     args, kwargs, target = split_batch(batch, with_target=loss_fn is not None)
-    dev = torch.device(device) if device is not None else _default_device(model)
+    dev, stand_in = _step_device(model, device)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    by_name, fake_of, buffers = _fake_state(model, mode, dev)
+    by_name, fake_of, buffers = _fake_state(model, mode, dev, prec.compute_dtype if cast else None)
     params = list(fake_of.values())
     trainable = list({id(p): p for p in params if p.requires_grad}.values())
     if not trainable:
@@ -517,6 +652,8 @@ def estimate_memory(
             f"no parameter of {type(model).__name__} requires grad: there is no training step "
             "to estimate (unfreeze some with requires_grad_(True))"
         )
+    masters = _master_copies(trainable, mode) if cast else {}
+    step_device = dev.type if dev is not None else params[0].device.type
 
     def place(x: Any) -> Any:  # meta (or off-device) inputs become fake ones where the model is
         if isinstance(x, torch.Tensor) and (
@@ -532,13 +669,19 @@ def estimate_memory(
     kwargs = {k: place(v) for k, v in kwargs.items()}
     target = place(target)
     inputs = [*args, *kwargs.values(), target]
-    opt, opt_name = _fake_optimizer(optimizer, dict(optimizer_kwargs or {}), fake_of, trainable)
+    # the optimizer steps the parameters, or their master copies where the module is cast
+    opt_of = fake_of
+    if cast:
+        opt_of = {k: masters[id(f)] for k, f in fake_of.items() if id(f) in masters}
+    opt_params = trainable if not cast else list(masters.values())
+    opt, opt_name = _fake_optimizer(optimizer, dict(optimizer_kwargs or {}), opt_of, opt_params)
     param_storages = {id(_storage(p)) for p in params}
     known = param_storages | {id(_storage(b)) for b in buffers}
+    known |= {id(_storage(m)) for m in masters.values()}
     known |= {id(_storage(t)) for t in inputs if isinstance(t, torch.Tensor)}
 
     stack, handles = _module_stack(model)
-    counter = _make_counter()(known, lambda: stack[-1] if stack else "")
+    counter = _make_counter()(known, lambda: stack[-1] if stack else "", param_storages)
     saved: dict[int, int] = {}
     saved_at: dict[int, str] = {}
     keep: list[Any] = []  # every storage counted in the forward: no id is reused meanwhile
@@ -552,9 +695,14 @@ def estimate_memory(
             keep.append(st)
         return t
 
+    def forward() -> Any:
+        # as the eager, DDP and pipeline targets run it: the module's forward autocasts
+        with prec.autocast(step_device) if not cast else contextlib.nullcontext():
+            return model(*args, **kwargs)
+
     def step() -> dict[str, Any]:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = model(*args, **kwargs)
+            out = forward()
             loss = output_loss(out) if loss_fn is None else loss_fn(out, target)
         if not loss.requires_grad:
             raise EstimateError(
@@ -567,22 +715,27 @@ def estimate_memory(
         for k, n in [*saved.items(), *extra.items()]:
             where = saved_at.get(k, counter.origin.get(k, ""))
             by_module[where] = by_module.get(where, 0) + n
+        kept = {**saved, **extra}
         facts: dict[str, Any] = {
-            "activations": sum(saved.values()) + sum(extra.values()), "by_module": by_module,
+            "activations": sum(kept.values()), "by_module": by_module,
+            "activation_sizes": list(kept.values()),
+            "weight_copies": sum(n for k, n in kept.items() if k in counter.copies),
         }  # fmt: skip
         keep.clear()  # counted: the backward frees them as it goes
         loss.backward()  # the output stays alive through backward, as in slapo.train_step
         del out, loss
-        facts["grads"] = _nbytes(p.grad for p in params if p.grad is not None)
+        facts["grad_sizes"] = _sizes(p.grad for p in params if p.grad is not None)
         # In later steps the optimizer state is there from the start: it adds to this peak.
         facts["forward_backward_peak"], counter.peak = counter.peak, counter.now
+        for p in trainable if cast else ():  # the engine hands the gradients to the masters
+            if p.grad is not None:
+                masters[id(p)].grad = p.grad.to(torch.float32)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
-            facts["optimizer_state"] = _nbytes(
-                v for state in opt.state.values() for v in state.values()
-                if isinstance(v, torch.Tensor)
-            )  # fmt: skip
+            facts["state_sizes"] = _sizes(_state_tensors(opt))
+        for p in trainable if cast else ():
+            p.grad = None
         facts["optimizer_step_peak"] = counter.peak
         return facts
 
@@ -606,22 +759,60 @@ def estimate_memory(
     finally:
         for h in handles:
             h.remove()
+    return _estimate_of(
+        model, facts, params, buffers, list(masters.values()), opt_name, prec,
+        device=torch.device(device).type if device is not None else step_device,
+        stand_in=stand_in,
+    )  # fmt: skip
+
+
+def _estimate_of(
+    model: nn.Module,
+    facts: dict[str, Any],
+    params: list[torch.Tensor],
+    buffers: list[torch.Tensor],
+    masters: list[torch.Tensor],
+    opt_name: str,
+    precision: Precision,
+    device: str,
+    stand_in: str | None,
+) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of a fake step's facts."""
+    import torch.distributed as dist
+
     rank = world = None
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    state = facts.get("optimizer_state", 0)
+    state_sizes = facts.get("state_sizes", [])
+    state = sum(state_sizes)
     created = max(facts["forward_backward_peak"] + state, facts["optimizer_step_peak"])
+    held = _nbytes(params) + _nbytes(buffers) + _nbytes(masters)
+    parts = {MASTER_WEIGHTS: _nbytes(masters)} if masters else {}
+    rounding = {
+        "params": allocator_rounding(_sizes(params)),
+        "buffers": allocator_rounding(_sizes(buffers)),
+        "grads": allocator_rounding(facts["grad_sizes"]),
+        "optimizer_state": allocator_rounding(state_sizes),
+        "activations": allocator_rounding(facts["activation_sizes"]),
+        **{name: allocator_rounding(_sizes(masters)) for name in parts},
+    }  # fmt: skip
     return MemoryEstimate(
         params=_nbytes(params),
         buffers=_nbytes(buffers),
-        grads=facts["grads"],
+        grads=sum(facts["grad_sizes"]),
         optimizer_state=state,
         activations=facts["activations"],
-        live_peak=_nbytes(params) + _nbytes(buffers) + created,
+        live_peak=held + created,
         by_module=facts["by_module"],
         model=type(model).__name__,
         optimizer=opt_name,
-        device=params[0].device.type if params else "cpu",
+        device=device,
         rank=rank,
         world_size=world or 1,
+        engine=sum(parts.values()),
+        engine_parts=parts,
+        precision=precision.name,
+        weight_copies=facts["weight_copies"],
+        rounding=rounding,
+        stand_in=stand_in,
     )

@@ -36,6 +36,25 @@ roundpipe      everything on the host, as eager; ``device_resident``: the bytes 
                uploads are prefetched (CUDA, or a modelled link on CPU)
 =============  ====================================================================================
 
+In mixed precision (``precision="bf16"``/``"fp16"``) every target keeps float32 master weights
+and optimizer state, as its engine does (:attr:`LayoutSpec.casts_module` says which way):
+
+=============  ====================================================================================
+eager, ddp,    float32 parameters, gradients (DDP's buckets too) and state; the forward under
+pipeline       autocast: 16-bit activations and weight copies (FSDP2 units of pipeline stages have
+               no mixed-precision policy: their gathered parameters stay float32)
+fsdp           ``MixedPrecisionPolicy(param_dtype=<16 bit>, reduce_dtype=float32)``: float32
+               shards of parameters, gradients and state; parameters gathered in 16 bits, and the
+               activations of a module computing with them
+deepspeed      the module in 16 bits (parameters; gradients, ZeRO-2: a 16-bit partition), beside
+               a float32 partition of master weights (``engine``) and its state. ZeRO-0/1 are
+               modelled alike (DeepSpeed's ``BF16_Optimizer`` there is not)
+roundpipe      the host's module in 16 bits (parameters, gradients), beside RoundPipe's float32
+               optimizer copies (``engine``) and their state; the device holds 16-bit stages
+=============  ====================================================================================
+
+Floating-point buffers keep their dtype (DeepSpeed and RoundPipe cast them too: a few bytes).
+
 Data parallelism composes on each stage of a pipeline (``pp`` > 1 with ``target`` ddp, fsdp or
 deepspeed: the dp engine shards that stage's state), and tensor parallelism within each stage
 (the schedule given is sharded over its ``tp`` group). Ranks lie on a ``("dp", "pp", "tp")`` mesh
@@ -63,7 +82,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..precision import Precision, PrecisionError
 from .estimate import EstimateError, MemoryEstimate, estimate_memory
+from .units import allocator_rounding
 
 __all__ = [
     "LAYOUT_TARGETS",
@@ -107,10 +128,14 @@ class LayoutSpec:
         reshard_after_forward: FSDP2's (False: every block stays gathered from forward on);
             with ``pp`` > 1 each stage is one unit that stays gathered (the pipeline's build).
         devices, prefetch: RoundPipe's devices and whether it prefetches uploads.
+        precision: ``"fp32"``, or mixed ``"bf16"``/``"fp16"`` as the target's engine applies it
+            (see :attr:`casts_module`).
 
     Example:
         >>> LayoutSpec("fsdp", dp=2, pp=2, tp=2, rank=5).coords()   # (dp_rank, stage, tp_rank)
         (1, 0, 1)
+        >>> LayoutSpec("fsdp", dp=8, precision="bfloat16").describe()
+        'fsdp dp8 x pp1 x tp1 bf16'
     """
 
     target: str = "eager"
@@ -124,8 +149,13 @@ class LayoutSpec:
     reshard_after_forward: bool = True
     devices: int = 1
     prefetch: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
+        try:  # a name, an alias or a dtype: kept as its name
+            object.__setattr__(self, "precision", Precision.of(self.precision).name)
+        except PrecisionError as exc:
+            raise EstimateError(f"precision={self.precision!r}: {exc}") from exc
         if self.target not in LAYOUT_TARGETS:
             raise EstimateError(
                 f"unknown target {self.target!r}: the memory planner models {LAYOUT_TARGETS}"
@@ -156,6 +186,22 @@ class LayoutSpec:
         """The number of processes: ``dp * pp * tp``."""
         return self.dp * self.pp * self.tp
 
+    @property
+    def casts_module(self) -> bool:
+        """Whether the engine computes with the module's parameters cast to the compute dtype
+        (FSDP2's MixedPrecisionPolicy, DeepSpeed's and RoundPipe's cast module) rather than
+        under autocast (eager, DDP and the pipeline's stages, whose FSDP2 units have no policy).
+
+        Example:
+            >>> LayoutSpec("fsdp", dp=2, precision="bf16").casts_module
+            True
+            >>> LayoutSpec("ddp", dp=2, precision="bf16").casts_module
+            False
+        """
+        if self.precision == "fp32":
+            return False
+        return self.target in ("deepspeed", "roundpipe") or (self.target == "fsdp" and self.pp == 1)
+
     def coords(self) -> tuple[int, int, int]:
         """``(dp_rank, stage, tp_rank)`` of :attr:`rank` on the ``("dp", "pp", "tp")`` mesh."""
         tp_rank = self.rank % self.tp
@@ -169,14 +215,15 @@ class LayoutSpec:
             text += f" ({self.pipeline_schedule}, {self.num_microbatches} microbatches)"
         if self.target == "deepspeed":
             text += f" ZeRO-{self.zero_stage}"
-        return text
+        return text if self.precision == "fp32" else f"{text} {self.precision}"
 
 
 # ----- what a module holds, by stage -------------------------------------------------------------
-def _local_nbytes(t: torch.Tensor) -> int:
-    """Bytes of ``t`` on this rank: a DTensor's local shard, a meta tensor's would-be size."""
+def _local_nbytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes of ``t`` on this rank (a DTensor's local shard, a meta tensor's would-be size) in
+    ``dtype`` (None: its own)."""
     local = t.to_local() if hasattr(t, "to_local") else t
-    return local.numel() * local.element_size()
+    return local.numel() * (local.element_size() if dtype is None else dtype.itemsize)
 
 
 def _stage_assigner(model: nn.Module, cuts: Iterable[str]) -> Callable[[str], int]:
@@ -228,13 +275,15 @@ def _blocks(model: nn.Module) -> list[str]:
     return blocks
 
 
-def _fsdp_shard(p: torch.Tensor, dp: int) -> int:
-    """The bytes of one FSDP2 shard of ``p``: its first dimension padded to a multiple of dp."""
+def _fsdp_shard(p: torch.Tensor, dp: int, dtype: torch.dtype | None = None) -> int:
+    """The bytes of one FSDP2 shard of ``p`` in ``dtype`` (None: its own): its first dimension
+    padded to a multiple of dp."""
     local = p.to_local() if hasattr(p, "to_local") else p
+    size = local.element_size() if dtype is None else dtype.itemsize
     if local.dim() == 0:
-        return local.element_size()
+        return size
     rows = math.ceil(local.shape[0] / dp)
-    return rows * (local.numel() // max(local.shape[0], 1)) * local.element_size()
+    return rows * (local.numel() // max(local.shape[0], 1)) * size
 
 
 # ----- the models --------------------------------------------------------------------------------
@@ -266,10 +315,104 @@ def roundpipe_resident(passes: list[list[int]], devices: int = 1, prefetch: bool
     return peak
 
 
+@dataclass
+class _Held:
+    """What one rank holds, tensor by tensor (bytes), as its engine transforms it: parameters
+    and gradients as the module holds them, the float32 (fp32 run: the parameters' own dtype)
+    bytes the optimizer steps (``masters``: its state is proportional), the engine's parts."""
+
+    params: list[int]
+    grads: list[int]
+    masters: list[int]
+    parts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    transient: int = 0  # bytes a step allocates after its schedule ran (activations freed)
+
+
+def _ddp(held: _Held, spec: LayoutSpec) -> None:
+    if spec.pp > 1:  # the pipeline's replicas: no buckets kept, a flat buffer per all-reduce
+        held.transient = min(sum(held.grads), PIPELINE_REPLICA_BUCKET_BYTES)
+        return
+    total, cap = sum(held.grads), PIPELINE_REPLICA_BUCKET_BYTES  # DDP's bucket_cap_mb
+    held.parts["ddp gradient buckets"] = [min(cap, total - i) for i in range(0, total, cap)]
+
+
+def _fsdp(
+    held: _Held,
+    spec: LayoutSpec,
+    module: nn.Module,
+    mine: dict[int, torch.Tensor],
+    in_stage: Callable[[str], bool],
+    shard_dtype: torch.dtype | None,
+    gather_dtype: torch.dtype | None,
+) -> None:
+    """FSDP2: parameters, gradients (and so the optimizer state) in ``1/dp`` shards of
+    ``shard_dtype``; parameters gathered in ``gather_dtype`` (a MixedPrecisionPolicy's)."""
+    shard = {i: _fsdp_shard(p, spec.dp, shard_dtype) for i, p in mine.items()}
+    held.params = list(shard.values())
+    held.grads = [shard[i] for i, p in mine.items() if p.requires_grad]
+    held.masters = list(held.grads)
+    if spec.pp > 1:
+        # each stage one FSDP2 unit, gathered from its first forward to its last backward: the
+        # unsharded parameters (padding included) and the flat all-gather output they were
+        # copied out of, which FSDP2 keeps (``all_gather_state``) until its next all-gather:
+        # with one unit per stage, the next step's
+        unsharded = [n * spec.dp for n in held.params]
+        held.parts["fsdp gathered parameters"] = [*unsharded, sum(unsharded)]
+        return
+    in_blocks: dict[str, list[int]] = {}
+    for block in _blocks(module):
+        if in_stage(block):
+            owned = {id(p): p for p in module.get_submodule(block).parameters()}
+            in_blocks[block] = [
+                _local_nbytes(p, gather_dtype) for i, p in owned.items() if i in mine
+            ]
+    block_ids = {id(p) for b in in_blocks for p in module.get_submodule(b).parameters()}
+    root = [_local_nbytes(p, gather_dtype) for i, p in mine.items() if i not in block_ids]
+    ranked = sorted(in_blocks.values(), key=sum, reverse=True)
+    # the root's (kept from forward to backward) and two blocks' (the one running and the one
+    # prefetched in backward), or every block's when none reshards after forward
+    gathered = ranked[:2] if spec.reshard_after_forward else ranked
+    held.parts["fsdp gathered parameters"] = [n for sizes in [root, *gathered] for n in sizes]
+
+
+def _deepspeed(held: _Held, spec: LayoutSpec, cast: bool) -> None:
+    """ZeRO-1/2/3: the optimizer steps this rank's float32 partition (and ZeRO-2 reduces the
+    gradients into a partition, ZeRO-3 partitions the parameters too)."""
+    part = math.ceil(sum(held.masters) / spec.dp)
+    held.masters = [part]
+    if spec.zero_stage >= 2:
+        held.grads = [math.ceil(sum(held.grads) / spec.dp)]
+    if spec.zero_stage >= 3:
+        held.params = [math.ceil(sum(held.params) / spec.dp)]
+    if spec.zero_stage >= 1 or cast:
+        held.parts["deepspeed fp32 partition"] = [part]
+
+
+def _state_tensors(masters: list[int], ratio: float) -> list[int]:
+    """The optimizer state of the tensors of ``masters`` bytes at ``ratio`` bytes per byte, as
+    tensors (AdamW: two the size of each, its step counts left out)."""
+    count = max(round(ratio), 1)
+    return [round(n * ratio / count) for n in masters for _ in range(count)] if ratio else []
+
+
+def _stage_activations(
+    base: MemoryEstimate, spec: LayoutSpec, stage_of: Callable[[str], int], stage: int
+) -> dict[str, int]:
+    """The activations of a pipeline stage by module: its microbatches in flight."""
+    by_module = {k: n for k, n in base.by_module.items() if stage_of(k) == stage}
+    in_flight = spec.num_microbatches
+    if spec.pipeline_schedule == "1F1B":
+        in_flight = min(spec.num_microbatches, spec.pp - stage)
+    if stage == 0:
+        in_flight += FIRST_STAGE_HELD_MICROBATCHES
+    return {k: n * in_flight for k, n in by_module.items()}
+
+
 def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEstimate:
     """What one rank of ``spec`` holds, from ``base``: :func:`slapo.estimate_memory` of
     ``model`` (the schedule's module, sharded over its tp group) on one data-parallel rank's
-    batch, or on one microbatch of it when ``spec.pp > 1``.
+    batch, or on one microbatch of it when ``spec.pp > 1``, in ``spec.precision`` (with
+    ``cast_params=spec.casts_module``).
 
     Example:
         >>> base = slapo.estimate_memory(sch, batch)
@@ -279,6 +422,11 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
     from ..primitives.cut_pipeline_stage import pipeline_cuts
     from ..schedule import Schedule
 
+    if base.precision != spec.precision:
+        raise EstimateError(
+            f"apply_layout: the base estimate is in {base.precision}, the layout in "
+            f"{spec.precision}; estimate the step with precision={spec.precision!r}"
+        )
     cuts = pipeline_cuts(model) if isinstance(model, Schedule) else []
     module = model.mod if isinstance(model, Schedule) else model
     _, stage, _ = spec.coords()
@@ -293,24 +441,24 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
     stage_of = _stage_assigner(module, cuts if stages > 1 else [])
     by_stage = _params_by_stage(module, stage_of, stages)
     all_params = {k: v for group in by_stage for k, v in group.items()}
-    trainable_total = sum(_local_nbytes(p) for p in all_params.values() if p.requires_grad)
+    precision = Precision.of(spec.precision)
+    cast = spec.casts_module
+    master = torch.float32 if precision.mixed else None  # None: the parameters' own dtype
+    module_dtype = precision.compute_dtype if cast else master
+    trainable_total = sum(_local_nbytes(p, master) for p in all_params.values() if p.requires_grad)
     # optimizer state per trainable byte (AdamW: 2 and a step count per parameter)
     state_ratio = base.optimizer_state / trainable_total if trainable_total else 0.0
-    parts: dict[str, int] = {}
 
     mine = by_stage[stage] if spec.pp > 1 else all_params
-    params = sum(_local_nbytes(p) for p in mine.values())
-    trainable = sum(_local_nbytes(p) for p in mine.values() if p.requires_grad)
-    buffers, grads, state = base.buffers, trainable, round(trainable * state_ratio)
-    activations, by_module = base.activations, dict(base.by_module)
+    trainable = [p for p in mine.values() if p.requires_grad]
+    held = _Held(
+        params=[_local_nbytes(p, module_dtype) for p in mine.values()],
+        grads=[_local_nbytes(p, module_dtype) for p in trainable],
+        masters=[_local_nbytes(p, master) for p in trainable],
+    )
+    buffers, activations, by_module = base.buffers, base.activations, dict(base.by_module)
     if spec.pp > 1:
-        by_module = {k: n for k, n in by_module.items() if stage_of(k) == stage}
-        in_flight = spec.num_microbatches
-        if spec.pipeline_schedule == "1F1B":
-            in_flight = min(spec.num_microbatches, spec.pp - stage)
-        if stage == 0:
-            in_flight += FIRST_STAGE_HELD_MICROBATCHES
-        by_module = {k: n * in_flight for k, n in by_module.items()}
+        by_module = _stage_activations(base, spec, stage_of, stage)
         activations = sum(by_module.values())
         buffer_owners = {
             id(b): stage_of(n.rpartition(".")[0]) for n, b in module.named_buffers()
@@ -320,63 +468,45 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         )
 
     target = spec.target
-    transient = 0  # bytes a step allocates after its schedule ran (its activations freed)
-    if target == "ddp" and spec.dp > 1 and spec.pp > 1:
-        # the pipeline's replicas: no buckets kept, a flat buffer per all-reduce
-        transient = min(grads, PIPELINE_REPLICA_BUCKET_BYTES)
-    elif target == "ddp" and spec.dp > 1:
-        parts["ddp gradient buckets"] = grads
-    elif target == "fsdp" and spec.dp > 1 and spec.pp > 1:
-        # each stage one FSDP2 unit, gathered from its first forward to its last backward
-        shard = {i: _fsdp_shard(p, spec.dp) for i, p in mine.items()}
-        params = sum(shard.values())
-        grads = sum(shard[i] for i, p in mine.items() if p.requires_grad)
-        state = round(grads * state_ratio)
-        # the unsharded parameters (padding included) and the flat all-gather output they were
-        # copied out of, which FSDP2 keeps (``all_gather_state``) until its next all-gather:
-        # with one unit per stage, the next step's
-        parts["fsdp gathered parameters"] = 2 * params * spec.dp
-    elif target == "fsdp" and spec.dp > 1:
-        shard = {i: _fsdp_shard(p, spec.dp) for i, p in mine.items()}
-        params = sum(shard.values())
-        grads = sum(shard[i] for i, p in mine.items() if p.requires_grad)
-        state = round(grads * state_ratio)
-        in_blocks: dict[str, int] = {}
-        for block in _blocks(module):
-            if spec.pp == 1 or stage_of(block) == stage:
-                owned = {id(p): p for p in module.get_submodule(block).parameters()}
-                in_blocks[block] = sum(_local_nbytes(p) for i, p in owned.items() if i in mine)
-        block_ids = {
-            id(p) for b in in_blocks for p in module.get_submodule(b).parameters()
-        }  # fmt: skip
-        root = sum(_local_nbytes(p) for i, p in mine.items() if i not in block_ids)
-        largest = sorted(in_blocks.values(), reverse=True)[:2]
-        gathered = root + (sum(largest) if spec.reshard_after_forward else sum(in_blocks.values()))
-        parts["fsdp gathered parameters"] = gathered
-    elif target == "deepspeed" and spec.dp > 1:
-        part = math.ceil(trainable / spec.dp)
-        state = round(part * state_ratio)
-        if spec.zero_stage >= 2:
-            grads = part
-        if spec.zero_stage >= 3:
-            params = math.ceil(params / spec.dp)
-        if spec.zero_stage >= 1:
-            parts["deepspeed fp32 partition"] = part
+    if target == "ddp" and spec.dp > 1:
+        _ddp(held, spec)
+    elif target == "fsdp" and (spec.dp > 1 or cast):
+
+        def in_stage(block: str) -> bool:
+            return spec.pp == 1 or stage_of(block) == stage
+
+        _fsdp(held, spec, module, mine, in_stage, master, module_dtype)
+    elif target == "deepspeed" and (spec.dp > 1 or cast):
+        _deepspeed(held, spec, cast)
+    elif target == "roundpipe" and cast:  # RoundPipe's float32 copies the optimizer steps
+        held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
     resident = None
     if target == "roundpipe":
         uploads = []
         for group in by_stage:
-            held = sum(_local_nbytes(p) for p in group.values())
-            held += sum(_local_nbytes(p) for p in group.values() if p.requires_grad)
-            uploads.append(held)
+            nbytes = sum(_local_nbytes(p, module_dtype) for p in group.values())
+            nbytes += sum(_local_nbytes(p, module_dtype) for p in group.values() if p.requires_grad)
+            uploads.append(nbytes)
         # the stages run forward in order (the last one fused with its backward), then the
         # backward pass the others in reverse
         passes = [uploads, uploads[-2::-1]]
         resident = roundpipe_resident(passes, spec.devices, spec.prefetch) + base.buffers
+    params, grads = sum(held.params), sum(held.grads)
+    state = round(sum(held.masters) * state_ratio)
+    parts = {name: sum(sizes) for name, sizes in held.parts.items()}
     engine = sum(parts.values())
     live = base.live_peak - base.params - base.grads - base.optimizer_state - base.activations
-    live = max(live, 0) + params + grads + state + activations + engine
-    live = max(live, params + buffers + grads + state + engine + transient)
+    live = max(live - base.engine, 0) + params + grads + state + activations + engine
+    live = max(live, params + buffers + grads + state + engine + held.transient)
+    scale = activations / base.activations if base.activations else 0.0
+    rounding = {
+        "params": allocator_rounding(held.params),
+        "buffers": base.rounding.get("buffers", 0),
+        "grads": allocator_rounding(held.grads),
+        "optimizer_state": allocator_rounding(_state_tensors(held.masters, state_ratio)),
+        "activations": round(base.rounding.get("activations", 0) * scale),
+        **{name: allocator_rounding(sizes) for name, sizes in held.parts.items()},
+    }  # fmt: skip
     return dataclasses.replace(
         base,
         params=params,
@@ -394,6 +524,8 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         stage=stage if spec.pp > 1 else None,
         rank=spec.rank if spec.world > 1 else base.rank,
         world_size=spec.world if spec.world > 1 else base.world_size,
+        weight_copies=round(base.weight_copies * scale),
+        rounding=rounding,
     )
 
 
@@ -455,6 +587,7 @@ def estimate_layout(
     reshard_after_forward: bool = True,
     devices: int = 1,
     prefetch: bool = False,
+    precision: Any = None,
     **estimate_kwargs: Any,
 ) -> MemoryEstimate:
     """Predict the memory of one training step of rank ``rank`` of a ``dp x pp x tp`` layout.
@@ -466,6 +599,11 @@ def estimate_layout(
         batch: what one data-parallel rank trains on in a step (all its microbatches).
         target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
         reshard_after_forward, devices, prefetch: see :class:`LayoutSpec`.
+        precision: ``"fp32"`` (None) or mixed ``"bf16"``/``"fp16"``: float32 master weights and
+            optimizer state, the compute dtype's activations, applied as the target's engine
+            applies it (:attr:`LayoutSpec.casts_module`): FSDP2 shards float32 parameters and
+            gathers them in the compute dtype; DeepSpeed and RoundPipe hold the module in the
+            compute dtype beside float32 master copies; the others autocast.
         **estimate_kwargs: ``optimizer``, ``optimizer_kwargs``, ``loss_fn``, ``device`` of
             :func:`slapo.estimate_memory`.
 
@@ -479,13 +617,24 @@ def estimate_layout(
         ...                             num_microbatches=4, pipeline_schedule="GPipe")
         >>> est.stage, est.layout
         (0, {'dp': 1, 'pp': 2, 'tp': 1})
+        >>> fsdp = slapo.estimate_layout(sch, batch, target="fsdp", dp=8, precision="bf16")
+        >>> fsdp.precision, list(fsdp.engine_parts)
+        ('bf16', ['fsdp gathered parameters'])
     """
     spec = LayoutSpec(
         target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
-        reshard_after_forward, devices, prefetch,
+        reshard_after_forward, devices, prefetch, precision=precision or "fp32",
     )  # fmt: skip
+    if "cast_params" in estimate_kwargs:
+        raise EstimateError(
+            "estimate_layout: cast_params follows from the target (LayoutSpec.casts_module); "
+            "give target= and precision= instead"
+        )
     step_batch = _microbatch(batch, num_microbatches) if pp > 1 else batch
     plain = pp > 1 and not PIPELINE_STAGES_CHECKPOINT
     with _checkpoints_run_plainly() if plain else contextlib.nullcontext():
-        base = estimate_memory(sch, step_batch, **estimate_kwargs)
+        base = estimate_memory(
+            sch, step_batch, precision=spec.precision, cast_params=spec.casts_module,
+            **estimate_kwargs,
+        )  # fmt: skip
     return apply_layout(base, sch, spec)

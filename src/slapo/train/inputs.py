@@ -23,7 +23,7 @@ from ..exceptions import InputError
 from .config import TrainConfig
 from .generic import check_knobs
 from .layout import schedule_family
-from .model_source import ModelSource, config_for, max_positions, resolve_model
+from .model_source import ModelSource, check_weights, config_for, max_positions, resolve_model
 from .token_cache import TokenData, load_tokens, tokens_of_text
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
@@ -91,6 +91,8 @@ def prepare_inputs(cfg: TrainConfig) -> RunInputs:
         True
     """
     source = resolve_model(cfg.model)
+    if source.kind == "dir":  # training reads the weights (planning a model needs none)
+        check_weights(source)
     tokenizer = load_tokenizer(cfg.tokenizer, source.path)
     vocab, positions = _model_shape(cfg, source)
     if tokenizer.vocab_size > vocab:

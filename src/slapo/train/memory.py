@@ -11,7 +11,14 @@ import torch
 
 from ..pipeline.replicas import local_part
 
-__all__ = ["PeakMemory", "estimate_config", "estimate_run", "estimated_peak_mb", "layout_spec"]
+__all__ = [
+    "PeakMemory",
+    "estimate_config",
+    "estimate_placement",
+    "estimate_run",
+    "estimated_peak_mb",
+    "layout_spec",
+]
 
 
 class PeakMemory:
@@ -118,18 +125,62 @@ def estimated_peak_mb(estimate: Any) -> float | None:
     return estimate.peak / 2**20
 
 
+def estimate_placement(cfg: Any) -> tuple[str, Any]:
+    """The device type and :class:`~slapo.precision.Precision` a memory estimate of ``cfg`` is
+    for: ``cfg.device`` and ``cfg.precision`` resolved as ``slapo train`` resolves them
+    (``--device auto``: a GPU where one is; no ``--precision``: bf16 on a GPU with bf16, else
+    fp32). ``--device cuda`` on a machine without a GPU is still estimated for CUDA (everything
+    is fake), and its default precision is then bf16: that of a GPU that has it.
+
+    Example:
+        >>> estimate_placement(TrainConfig(device="cpu"))
+        ('cpu', Precision(name='fp32'))
+        >>> estimate_placement(TrainConfig(device="cuda"))[1].name     # with or without a GPU
+        'bf16'
+    """
+    from ..exceptions import InputError
+    from ..precision import (
+        DeviceError,
+        Precision,
+        PrecisionError,
+        default_precision,
+        resolve_device,
+    )
+
+    device = getattr(cfg, "device", None) or "auto"
+    try:
+        if str(device).strip().lower().split(":", 1)[0] == "cuda" and not torch.cuda.is_available():
+            kind, default = "cuda", Precision("bf16")
+        else:
+            kind = resolve_device(device).type
+            default = default_precision(kind)
+    except DeviceError as exc:
+        raise InputError(f"--device {device}: {exc}") from exc
+    given = getattr(cfg, "precision", None)
+    try:
+        return kind, default if given is None else Precision.of(given)
+    except PrecisionError as exc:
+        raise InputError(f"--precision {given}: {exc}") from exc
+
+
 def layout_spec(
-    cfg: Any, rank: int = 0, dp: int | None = None, pipeline_schedule: str | None = None
+    cfg: Any,
+    rank: int = 0,
+    dp: int | None = None,
+    pipeline_schedule: str | None = None,
+    precision: Any = None,
 ) -> Any:
     """The :class:`~slapo.memory.LayoutSpec` of rank ``rank`` of a ``slapo train`` run of ``cfg``
     on ``dp`` data-parallel replicas (default ``cfg.dp`` where the config has it, else 1): the
-    engine a stage's replicas share gradients with, and the pipeline's schedule (default
+    engine a stage's replicas share gradients with, the pipeline's schedule (default
     ``cfg.pipeline_schedule`` where the config has it, else 1F1B, as slapo train runs) and
-    microbatches.
+    microbatches, and the precision (default: the config's, :func:`estimate_placement`).
 
     Example:
         >>> layout_spec(TrainConfig(pp=2, num_microbatches=4), rank=1).describe()
         'pipeline dp1 x pp2 x tp1 (1F1B, 4 microbatches)'
+        >>> layout_spec(TrainConfig(target="fsdp", precision="bf16"), dp=8).describe()
+        'fsdp dp8 x pp1 x tp1 bf16'
     """
     from ..memory import LayoutSpec
     from .uses import DEEPSPEED_ZERO_STAGE, replica_engine
@@ -144,6 +195,7 @@ def layout_spec(
         num_microbatches=cfg.num_microbatches if pp > 1 else 1,
         pipeline_schedule=pipeline_schedule or getattr(cfg, "pipeline_schedule", "1F1B"),
         zero_stage=DEEPSPEED_ZERO_STAGE,
+        precision=precision if precision is not None else estimate_placement(cfg)[1],
     )  # fmt: skip
 
 
@@ -173,37 +225,75 @@ def estimate_run(runner: Any, batches: Any) -> Any:
 
     batch = _next_batch(batches)
     try:
+        device, precision = _run_placement(runner)
         whole = TARGET_USES[runner.target].whole_estimate
         if whole and runner.model is runner.sch.mod:
-            return estimate_memory(runner.sch, batch, optimizer=runner.optimizer)
+            # the optimizer itself (its parameter groups), a loss scaler's wrapper unwrapped
+            optimizer = _inner_optimizer(runner.optimizer)
+            return estimate_memory(runner.sch, batch, optimizer=optimizer, precision=precision)
         layout = runner.layout
-        spec = layout_spec(runner.cfg, layout.rank, layout.dp_size)
-        return _estimate_spec(runner.cfg, spec, batch, layout, _optimizer_of(runner.optimizer))
+        spec = layout_spec(runner.cfg, layout.rank, layout.dp_size, precision=precision)
+        optimizer = _optimizer_of(runner.optimizer)
+        return _estimate_spec(runner.cfg, spec, batch, layout, optimizer, device)
     except Exception as exc:  # noqa: BLE001  (the estimate is a by-product; the run goes on)
         print(f"slapo train: no memory estimate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
 
 
-def _optimizer_of(optimizer: Any) -> tuple[Any, dict[str, Any]]:
-    """The class and hyperparameters of a run's optimizer (an engine's wrapper unwrapped)."""
+def _run_placement(runner: Any) -> tuple[str, Any]:
+    """The device type and precision of a runner's run (its resolved run where it has one): a
+    target that keeps the model state on the host (RoundPipe) is estimated there."""
+    run = getattr(runner, "run", None)
+    if run is None:
+        return estimate_placement(runner.cfg)
+    on_host = run.record.host_state
+    return ("cpu" if on_host else run.device.type), run.precision
+
+
+def _inner_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer that steps: an engine's wrapper (DeepSpeed's, RoundPipe's or a loss
+    scaler's, itself a torch optimizer around the one that steps) holds it as ``.optimizer``."""
     inner = optimizer
-    # an engine's wrapper (DeepSpeed's, or RoundPipe's optimizer, itself a torch optimizer
-    # around the one that steps) holds the optimizer as .optimizer
     while hasattr(inner, "optimizer") and (
         not isinstance(inner, torch.optim.Optimizer)
         or isinstance(inner.optimizer, torch.optim.Optimizer)
     ):
         inner = inner.optimizer
+    return inner
+
+
+def _optimizer_of(optimizer: Any) -> tuple[Any, dict[str, Any]]:
+    """The class and hyperparameters of a run's optimizer (an engine's wrapper unwrapped)."""
+    inner = _inner_optimizer(optimizer)
     if not isinstance(inner, torch.optim.Optimizer):
         return torch.optim.AdamW, {}
     kwargs = {k: v for k, v in inner.defaults.items() if k in ("lr", "betas", "eps", "momentum")}
     return type(inner), kwargs
 
 
+def _within_vocab(batch: dict[str, Any], model: Any) -> dict[str, Any]:
+    """``batch`` with its token ids taken modulo the model's vocabulary where it has fewer
+    tokens than the byte corpus's 256 (a small configuration); ignored labels (-100) kept."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        return batch
+    out = {}
+    for key, ids in batch.items():
+        too_large = isinstance(ids, torch.Tensor) and ids.dtype == torch.long and ids.max() >= vocab
+        out[key] = torch.where(ids >= 0, ids % vocab, ids) if too_large else ids
+    return out
+
+
 def _estimate_spec(
-    cfg: Any, spec: Any, batch: Any, layout: Any, optimizer: tuple[Any, dict[str, Any]]
+    cfg: Any,
+    spec: Any,
+    batch: Any,
+    layout: Any,
+    optimizer: tuple[Any, dict[str, Any]],
+    device: str | None = None,
 ) -> Any:
-    """``estimate_layout`` of ``cfg``'s model, on the meta device, scheduled over ``layout``."""
+    """``estimate_layout`` of ``cfg``'s model, on the meta device, scheduled over ``layout``,
+    for ``device`` (a type; None: the CPU)."""
     from ..initialization import init_empty_weights
     from ..memory import estimate_layout
     from .layout import schedule_for  # the very schedule slapo train builds from cfg
@@ -212,11 +302,12 @@ def _estimate_spec(
     with init_empty_weights():
         model = build_model(cfg, weights=False)  # a model directory's weights stay unread
     model.train()
+    batch = _within_vocab(batch, model)
     sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
     fields = {f.name for f in dataclasses.fields(spec)}
     return estimate_layout(
         sch, batch, **{k: getattr(spec, k) for k in fields},
-        optimizer=optimizer[0], optimizer_kwargs=optimizer[1],
+        optimizer=optimizer[0], optimizer_kwargs=optimizer[1], device=device,
     )  # fmt: skip
 
 
@@ -232,7 +323,9 @@ def estimate_config(
     ``cfg`` (a :class:`~slapo.train.TrainConfig`) on ``dp`` data-parallel replicas: its model (on
     the meta device: nothing allocated), its schedule (``pipeline_schedule``: GPipe or 1F1B with
     ``cfg.pp > 1``), its optimizer (AdamW with ``cfg.lr``,
-    unless ``optimizer`` and ``optimizer_kwargs`` name another) and one batch. ``rank`` is the
+    unless ``optimizer`` and ``optimizer_kwargs`` name another) and one batch, on ``cfg.device``
+    in ``cfg.precision`` (:func:`estimate_placement`). ``cfg.model`` may be a directory that holds
+    only a ``config.json``: no weights are read. ``rank`` is the
     global rank on the ``("dp", "pp", "tp")`` mesh (None: the pipeline stage needing the most,
     what a memory budget must hold on every rank); with ``cfg.tp > 1`` its tensor-parallel share
     is estimated in this process over a fake process group. Every target is modelled
@@ -243,6 +336,10 @@ def estimate_config(
         >>> print(estimate_config(TrainConfig(model="gpt2", preset="small", ckpt_ratio=1.0)))
         >>> estimate_config(TrainConfig(model="gpt2", target="fsdp"), dp=4).target
         'fsdp'
+        >>> cfg = TrainConfig(model="./llama3-8b-config", device="cuda", precision="bf16",
+        ...                   target="fsdp", batch_size=2, seq_len=8192)
+        >>> estimate_config(cfg, dp=8).engine_parts["fsdp gathered parameters"] > 0
+        True
     """
     import contextlib
 
@@ -265,7 +362,8 @@ def estimate_config(
             for stage in range(pp)
         ]
         return max(estimates, key=lambda e: e.required)
-    spec = layout_spec(cfg, rank, dp, pipeline_schedule)
+    device, precision = estimate_placement(cfg)
+    spec = layout_spec(cfg, rank, dp, pipeline_schedule, precision)
     batches = (MaskedByteBatches if cfg.model == "bert" else ByteBatches)(
         default_corpus(max(100_000, 4 * cfg.seq_len)), cfg.batch_size, cfg.seq_len, cfg.seed
     )
@@ -278,4 +376,4 @@ def estimate_config(
             group = ctx.enter_context(fake_process_group(cfg.tp, tp_rank))
             layout = Layout(rank=tp_rank, world=cfg.tp, tp_group=group, tp_size=cfg.tp)
         spec_args = (optimizer, dict(optimizer_kwargs or {}))
-        return _estimate_spec(cfg, spec, batches.next(), layout, spec_args)
+        return _estimate_spec(cfg, spec, batches.next(), layout, spec_args, device)

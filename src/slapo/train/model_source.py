@@ -26,11 +26,12 @@ import torch
 from torch import nn
 
 from ..data import VOCAB_SIZE
-from .config import InputError
+from ..exceptions import InputError
 from .presets import MODELS, PRESETS
 
 __all__ = [
     "ModelSource",
+    "check_weights",
     "config_for",
     "load_model",
     "max_positions",
@@ -142,12 +143,26 @@ def _resolve_dir(name: str) -> ModelSource:
             f"--model {name}: model type {model_type!r} has no causal-LM class in "
             "transformers; slapo train trains causal LMs from a directory"
         )
+    # the weights are checked when they are loaded: a memory estimate reads the config only
+    return ModelSource(name, "dir", model_type, path)
+
+
+def check_weights(source: ModelSource) -> None:
+    """Raise an :class:`InputError` when a model directory holds no safetensors weights
+    (training needs them; an estimate of a config-only directory does not).
+
+    Example:
+        >>> check_weights(resolve_model("./config-only"))  # doctest: +SKIP
+        Traceback (most recent call last):
+        InputError: --model ./config-only holds no model.safetensors ...
+    """
+    path = source.path
+    assert path is not None
     if not (path / WEIGHTS).is_file() and not (path / WEIGHTS_INDEX).is_file():
         raise InputError(
-            f"--model {name} holds no {WEIGHTS} (nor {WEIGHTS_INDEX}); save the "
+            f"--model {source.name} holds no {WEIGHTS} (nor {WEIGHTS_INDEX}); save the "
             "weights with model.save_pretrained(DIR) (safetensors)"
         )
-    return ModelSource(name, "dir", model_type, path)
 
 
 def model_config(source: ModelSource, preset: str, seq_len: int, vocab_size: int) -> Any:
@@ -253,7 +268,8 @@ def load_model(source: ModelSource, config: Any, weights: bool = True) -> nn.Mod
 
     A ``type`` gets random weights. A ``dir`` is built on the meta device and, with
     ``weights``, its safetensors tensors are assigned in place of the meta ones (tied weights
-    re-tied); without, it stays on the meta device (for a memory estimate).
+    re-tied; a directory without them is an :class:`InputError`); without, it stays on the meta
+    device (for a memory estimate: a directory holding only ``config.json`` will do).
 
     Example:
         >>> source = resolve_model("phi3")
@@ -263,6 +279,8 @@ def load_model(source: ModelSource, config: Any, weights: bool = True) -> nn.Mod
 
     from ..initialization import init_empty_weights
 
+    if source.kind == "dir" and weights:
+        check_weights(source)
     try:
         with init_empty_weights(enable=source.kind == "dir"):
             # float32 whatever the saved dtype: the main job trains in float32
