@@ -100,3 +100,42 @@ def test_knob_flags_are_the_schedule_knobs_with_the_registries_choices():
     assert set(given) == set(knob_fields())
     knobs_of_run = schedule_knobs(TrainConfig(**given))
     assert {k: knobs_of_run[k] for k in given} == given
+
+
+def test_every_target_has_one_record_the_run_and_the_planner_read():
+    """Each registered target's record says what the main job and the planner need: its
+    memory model is one the planner has, its precisions are the three; the resolved run reads
+    placement from it (RoundPipe's batches stay on the host)."""
+    from slapo.memory.targets import ENGINE_MODELS, LAYOUT_TARGETS
+    from slapo.precision import PRECISIONS
+    from slapo.targets import get_record, list_targets
+    from slapo.train import TrainConfig
+    from slapo.train.run import resolve_run
+
+    assert set(LAYOUT_TARGETS) == set(ENGINE_MODELS)
+    for name in list_targets():
+        record = get_record(name)
+        assert record.memory in ENGINE_MODELS and record.precisions == PRECISIONS, name
+    assert get_record("ddp").distributed and not get_record("eager").distributed
+    assert resolve_run(TrainConfig(target="roundpipe")).batch_device.type == "cpu"
+    assert "device" not in resolve_run(TrainConfig(target="roundpipe")).build_options()
+
+
+def test_a_target_registered_without_precisions_refuses_bf16_by_name():
+    import torch
+
+    import slapo
+    from slapo.exceptions import TargetError
+    from slapo.targets import registry
+
+    @registry.register_target("plain_test_target")
+    def build_plain(sch, **options):
+        return sch.mod, None
+
+    try:
+        sch = slapo.create_schedule(torch.nn.Linear(2, 2))
+        with pytest.raises(TargetError, match='"plain_test_target" trains in fp32, not bf16'):
+            slapo.build(sch, target="plain_test_target", precision="bf16")
+        assert slapo.build(sch, target="plain_test_target")[1] is None
+    finally:
+        del registry._TARGETS["plain_test_target"]

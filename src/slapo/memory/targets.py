@@ -87,6 +87,7 @@ from .estimate import EstimateError, MemoryEstimate, estimate_memory
 from .units import allocator_rounding
 
 __all__ = [
+    "ENGINE_MODELS",
     "LAYOUT_TARGETS",
     "PIPELINE_SCHEDULES",
     "LayoutSpec",
@@ -328,6 +329,50 @@ class _Held:
     transient: int = 0  # bytes a step allocates after its schedule ran (activations freed)
 
 
+@dataclass(frozen=True)
+class _Rank:
+    """One rank of a layout as the engine models read it: its spec, the module, this stage's
+    parameters by name, the stage of a module path, the dtypes of the master weights and of
+    the module's computing weights, whether the engine casts the module."""
+
+    spec: LayoutSpec
+    module: nn.Module
+    mine: dict[str, torch.Tensor]
+    stage_of: Callable[[str], int]
+    stage: int
+    master: torch.dtype | None
+    module_dtype: torch.dtype | None
+    cast: bool
+
+    def in_stage(self, block: str) -> bool:
+        return self.spec.pp == 1 or self.stage_of(block) == self.stage
+
+
+def _as_is(held: _Held, rank: _Rank) -> None:
+    """eager and a pipeline without replicas: the rank holds what the step estimated."""
+
+
+def _ddp_model(held: _Held, rank: _Rank) -> None:
+    if rank.spec.dp > 1:
+        _ddp(held, rank.spec)
+
+
+def _fsdp_model(held: _Held, rank: _Rank) -> None:
+    if rank.spec.dp > 1 or rank.cast:
+        _fsdp(held, rank.spec, rank.module, rank.mine, rank.in_stage, rank.master,
+              rank.module_dtype)  # fmt: skip
+
+
+def _deepspeed_model(held: _Held, rank: _Rank) -> None:
+    if rank.spec.dp > 1 or rank.cast:
+        _deepspeed(held, rank.spec, rank.cast)
+
+
+def _roundpipe_model(held: _Held, rank: _Rank) -> None:
+    if rank.cast:  # RoundPipe's float32 copies, which the optimizer steps
+        held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
+
+
 def _ddp(held: _Held, spec: LayoutSpec) -> None:
     if spec.pp > 1:  # the pipeline's replicas: no buckets kept, a flat buffer per all-reduce
         held.transient = min(sum(held.grads), PIPELINE_REPLICA_BUCKET_BYTES)
@@ -408,6 +453,14 @@ def _stage_activations(
     return {k: n * in_flight for k, n in by_module.items()}
 
 
+#: How each engine changes what a rank holds, by the name a target's record gives as its memory
+#: model (:attr:`slapo.targets.TargetRecord.memory`); :data:`LAYOUT_TARGETS` are its keys.
+ENGINE_MODELS: dict[str, Callable[[_Held, _Rank], None]] = {
+    "eager": _as_is, "ddp": _ddp_model, "fsdp": _fsdp_model, "deepspeed": _deepspeed_model,
+    "pipeline": _as_is, "roundpipe": _roundpipe_model,
+}  # fmt: skip
+
+
 def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEstimate:
     """What one rank of ``spec`` holds, from ``base``: :func:`slapo.estimate_memory` of
     ``model`` (the schedule's module, sharded over its tp group) on one data-parallel rank's
@@ -468,18 +521,8 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         )
 
     target = spec.target
-    if target == "ddp" and spec.dp > 1:
-        _ddp(held, spec)
-    elif target == "fsdp" and (spec.dp > 1 or cast):
-
-        def in_stage(block: str) -> bool:
-            return spec.pp == 1 or stage_of(block) == stage
-
-        _fsdp(held, spec, module, mine, in_stage, master, module_dtype)
-    elif target == "deepspeed" and (spec.dp > 1 or cast):
-        _deepspeed(held, spec, cast)
-    elif target == "roundpipe" and cast:  # RoundPipe's float32 copies the optimizer steps
-        held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
+    rank = _Rank(spec, module, mine, stage_of, stage, master, module_dtype, cast)
+    ENGINE_MODELS[target](held, rank)
     resident = None
     if target == "roundpipe":
         uploads = []
