@@ -213,10 +213,11 @@ def llama_pipeline(rank: int, world: int) -> dict[str, Any]:
 
 
 # ----- roundpipe: the device's memory account ------------------------------------------------------
-def roundpipe() -> dict[str, Any]:
+def roundpipe(precision: str = "fp32") -> dict[str, Any]:
     """RoundPipe on its virtual CPU devices (``ROUNDPIPE_VIRTUAL_DEVICES``; uploads prefetched
     with ``ROUNDPIPE_VIRTUAL_LINK_GBPS``): the estimate's ``device_resident`` and the most bytes
-    any device's memory account held in a step."""
+    any device's memory account held in a step, in ``precision`` (bf16: the layers stream in
+    bf16)."""
     from roundpipe.device import get_devices, prefetch_enabled
 
     devices = len(get_devices())
@@ -226,9 +227,12 @@ def roundpipe() -> dict[str, Any]:
     for path in ("transformer.h.0", "transformer.h.2"):
         sch[path].cut_pipeline_stage()
     est = slapo.estimate_layout(
-        sch, batch, target="roundpipe", devices=devices, prefetch=prefetch, optimizer=_adamw
+        sch, batch, target="roundpipe", devices=devices, prefetch=prefetch, optimizer=_adamw,
+        precision=precision,
+    )  # fmt: skip
+    model, opt = slapo.build(
+        sch, target="roundpipe", num_microbatch=2, optimizer=_adamw, precision=precision
     )
-    model, opt = slapo.build(sch, target="roundpipe", num_microbatch=2, optimizer=_adamw)
     for _ in range(2):
         for device in get_devices():
             device.memory.reset_peak()
@@ -244,5 +248,6 @@ def roundpipe() -> dict[str, Any]:
 
 
 def roundpipe_job(rank: int, world: int) -> dict[str, Any]:
-    """:func:`roundpipe` in a fresh process: RoundPipe reads its devices' settings once."""
-    return roundpipe()
+    """:func:`roundpipe` in a fresh process (RoundPipe reads its devices' settings once), in
+    fp32 and in bf16."""
+    return {precision: roundpipe(precision) for precision in ("fp32", "bf16")}

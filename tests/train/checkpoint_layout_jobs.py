@@ -140,5 +140,5 @@ def train_and_resume(rank: int, world: int, options: dict, save: str) -> dict:
 
     full = slapo_train(TrainConfig(**options, save=save, save_every=2))
     rest = slapo_train(TrainConfig(**options, resume=f"{save}/step-000002"))
-    keys = ("losses", "lrs", "resumed_at")
+    keys = ("losses", "lrs", "resumed_at", "peak_memory_mb", "estimated_peak_mb")
     return {"full": {k: full.get(k) for k in keys}, "rest": {k: rest.get(k) for k in keys}}

@@ -101,6 +101,8 @@ def test_train_resume_continues_the_run_exactly(target, tmp_path):
         full, rest = run["full"], run["rest"]
         assert rest["resumed_at"] == 2 and len(full["losses"]) == 3
         assert rest["losses"] == full["losses"] and rest["lrs"] == full["lrs"]
+        if target == "deepspeed-bf16":  # the bf16 ZeRO-2 estimate (measured: 8% under)
+            assert abs(full["estimated_peak_mb"] / full["peak_memory_mb"] - 1) < 0.10, full
     assert {p.suffix for p in save.rglob("*") if p.is_file()} == {".json", ".safetensors"}
     loaded = transformers.AutoModelForCausalLM.from_pretrained(save)  # the whole model
     assert loaded.get_output_embeddings().weight.shape[0] == loaded.config.vocab_size

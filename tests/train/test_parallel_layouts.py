@@ -170,6 +170,8 @@ def test_3d_bf16_follows_the_one_process_bf16_curve(tmp_path):
     assert len(got) == len(want) == 10
     assert max(abs(a - b) for a, b in zip(got, want)) < 0.05, (got, want)
     assert got[-1] < 0.85 * got[0]  # it trains
+    for rank in metrics["ranks"]:  # the bf16 estimate of each rank (measured: within 1%)
+        assert abs(rank["estimated_peak_mb"] / rank["peak_memory_mb"] - 1) < 0.10, rank
     files = sorted(saved.glob("model*.safetensors"))
     dtypes = {t.dtype for f in files for t in load_file(f).values()}
     assert files and dtypes == {torch.float32}, dtypes

@@ -369,8 +369,9 @@ def _deepspeed_model(held: _Held, rank: _Rank) -> None:
 
 
 def _roundpipe_model(held: _Held, rank: _Rank) -> None:
-    if rank.cast:  # RoundPipe's float32 copies, which the optimizer steps
-        held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
+    # RoundPipe's optimizer copies, which the optimizer steps: float32 (the master weights of
+    # a bf16 model), and in a float32 run a copy of every trainable parameter all the same
+    held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
 
 
 def _ddp(held: _Held, spec: LayoutSpec) -> None:

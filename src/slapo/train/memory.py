@@ -100,6 +100,10 @@ class PeakMemory:
         # the pipeline engine exposes its stages' parameters but is no nn.Module
         buffers = self.model.buffers() if hasattr(self.model, "buffers") else ()
         state += sum(local_part(b).numel() * b.element_size() for b in buffers)
+        # RoundPipe's optimizer copies: storages of their own beside the model's parameters
+        copies = getattr(self.model, "optim_parameters", None)
+        if callable(copies):
+            state += sum(c.numel() * c.element_size() for c in copies())
         for per_param in getattr(self.optimizer, "state", {}).values():
             state += sum(local_part(v).numel() * v.element_size() for v in per_param.values()
                          if isinstance(v, torch.Tensor))  # fmt: skip
