@@ -139,3 +139,15 @@ def test_bf16_checkpoints_keep_float32_master_weights_and_resume_exactly(tmp_pat
     assert again["resumed_at"] == 3 and again["losses"] == whole
     weights = load_file(save / "model.safetensors")
     assert weights and {t.dtype for t in weights.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize("module", ["slapo.precision", "slapo.targets.mixed_precision"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    from torch import nn
+
+    mod = importlib.import_module(module)
+    result = doctest.testmod(mod, extraglobs={"torch": torch, "nn": nn}, verbose=False)
+    assert result.attempted > 0 and result.failed == 0, result
