@@ -305,6 +305,7 @@ def run_once(
     # what this rank holds: a DTensor (FSDP2, Hugging Face's TP plan) counts its local shard
     parameters = sum(local_part(p).numel() for p in runner.model.parameters())
     curve = _curve(record)
+    peak = _peak_tflops(cfg, runner.run)
     return {
         "label": label,
         "knobs": schedule_knobs(cfg) if scheduled else None,
@@ -325,11 +326,8 @@ def run_once(
         "estimate": None if estimate is None else estimate.as_dict(),
         **curve,
         "flops_per_token": runner.flops_per_token,
-        "peak_tflops": _peak_tflops(cfg, runner.run),
-        "mfu": mfu(
-            curve["tokens_per_s"], runner.flops_per_token, _peak_tflops(cfg, runner.run),
-            num_devices=layout.world,
-        ),
+        "peak_tflops": peak,
+        "mfu": mfu(curve["tokens_per_s"], runner.flops_per_token, peak, num_devices=layout.world),
         "resumed_from": None if resume is None else str(resume),
         "resumed_at": start if resume is not None else None,
         "saved": cfg.save,
