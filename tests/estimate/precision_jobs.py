@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 import transformers
-from layout_jobs import make_batch
+from layout_jobs import _storage_bytes, make_batch
 from layout_jobs import make_model as make_gpt2
 from torch import nn
 
@@ -39,15 +39,6 @@ def make_llama() -> nn.Module:
 MODELS = {"gpt2": make_gpt2, "llama": make_llama}
 
 
-def _bytes(tensors: Any) -> int:
-    seen: dict[int, int] = {}
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        st = local.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-    return sum(seen.values())
-
-
 def measure(model: Any, batch: dict[str, torch.Tensor], forward: Forward) -> dict[str, int]:
     """Two AdamW steps of ``model`` (the second starts with the optimizer state there), counted
     by ``PeakMemory``; the parts read from the model and optimizer after the last backward."""
@@ -56,14 +47,14 @@ def measure(model: Any, batch: dict[str, torch.Tensor], forward: Forward) -> dic
         for _ in range(2):
             forward(batch).backward()
             held = [p.grad for p in model.parameters() if p.grad is not None]
-            grads, grad_dtype = _bytes(held), str(held[0].dtype)
+            grads, grad_dtype = _storage_bytes(held), str(held[0].dtype)
             opt.step()
             opt.zero_grad(set_to_none=True)
             mem.next_step()
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     return {
-        "params": _bytes(model.parameters()), "grads": grads,
-        "optimizer_state": sum(_bytes([v]) for v in state),
+        "params": _storage_bytes(model.parameters()), "grads": grads,
+        "optimizer_state": sum(_storage_bytes([v]) for v in state),
         "activations": round(mem.activation_mb * 2**20), "engine": sum(mem.engine_parts.values()),
         "peak": round(mem.peak_mb * 2**20), "grad_dtype": grad_dtype,
     }  # fmt: skip
