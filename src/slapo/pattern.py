@@ -1,14 +1,20 @@
 """Patterns and structural subgraph matching for ``find``.
 
 A pattern is a function, a :class:`Pattern` subclass or a :class:`ModulePattern`. It is traced
-with torch.fx into a small graph whose placeholders match anything; ``call_module(regex, *args)``
-inside a pattern matches a call of a submodule whose name or class name matches ``regex``. The
+with torch.fx into a small graph whose placeholders match anything (a placeholder used twice, as
+in a residual ``F.relu(x) + x``, matches one value used twice); ``call_module(regex, *args)``
+inside a pattern matches a call of a submodule whose name or class name matches ``regex``. Name
+regexes match as Slapo's did, with :func:`re.match`: from the start of the name, not necessarily
+to its end (``r"fc?"`` matches ``fc1`` and ``fc2``; end one with ``$`` to match whole names); a
+class name matches whole. The
 submodules of a :class:`Pattern` (``self.linear = nn.Linear(1, 1)``) stay calls in the pattern's
 graph and match calls of any module of their type, whatever its sizes. Matching compares
 operations by a canonical name (``operator.add``, ``torch.add`` and ``aten.add.Tensor`` are all
-``add``; ``nn.ReLU``, ``F.relu`` and ``torch.relu`` are all ``relu``), so a pattern written with
-torch functions matches graphs captured by torch.export too, and a module form matches the
-functional one. It is structural: it walks the data flow back from each of the pattern's outputs
+``add``; ``nn.ReLU``, ``F.relu`` and ``torch.relu`` are all ``relu``; ``nn.LayerNorm`` and
+``F.layer_norm`` are ``layer_norm``), so a pattern written with torch functions matches graphs
+captured by torch.export too, and a module form matches the functional one (a constant the
+functional form is given, as ``F.layer_norm``'s normalized shape, must agree with the module's).
+It is structural: it walks the data flow back from each of the pattern's outputs
 (a pattern may return a tuple: independent branches, such as q/k/v projections of one input),
 tries both argument orders of commutative operations, and returns every non-overlapping match.
 """
@@ -25,7 +31,7 @@ import torch
 from torch import fx, nn
 
 from .exceptions import SlapoError
-from .tracing import ModeDropout
+from .tracing import ModeDropout, dynamo_name
 
 __all__ = [
     "Pattern",
@@ -34,6 +40,7 @@ __all__ = [
     "call_module",
     "find_call_modules",
     "find_pattern",
+    "module_names",
     "trace_pattern",
 ]
 
@@ -64,7 +71,8 @@ class Pattern(nn.Module):
 class ModulePattern(nn.Module):
     """Matches one call of a submodule whose name matches the regex ``name``.
 
-    Use it as a pattern by itself, or as a child of a :class:`Pattern`.
+    Use it as a pattern by itself, or as a child of a :class:`Pattern`: it then matches a call of
+    every submodule whose name matches (see :func:`call_module` for how names match).
 
     Example:
         >>> class QProj(Pattern):
@@ -85,7 +93,10 @@ class ModulePattern(nn.Module):
 
 def call_module(regex: str, *args: Any) -> Any:
     """Inside a pattern: a call of any submodule whose name (its last part or its dotted path)
-    or class name matches ``regex``.
+    matches ``regex`` as :func:`re.match` does, from the start of the name (``r"fc?"`` matches
+    ``fc1``; ``r"fc\\d$"`` does not match ``fc12``), or whose class name matches it whole
+    (``"ReLU"``). In a graph traced with ``tracer="dynamo"``, dynamo's name of the call
+    (``self_query`` for ``query``) matches too.
 
     Example:
         >>> pattern = lambda x: torch.relu(call_module(r"fc\\d", x))
@@ -177,14 +188,30 @@ _OPERATOR_NAMES = {
     operator.getitem: "getitem",
 }
 _COMMUTATIVE = {"add", "mul"}
-_ACTIVATION_MODULES = {
-    nn.GELU: "gelu",
-    nn.ReLU: "relu",
-    nn.SiLU: "silu",
-    nn.Tanh: "tanh",
-    nn.Sigmoid: "sigmoid",
-    nn.Dropout: "dropout",
+# Modules that compute one functional operation on their one input: its canonical name, and the
+# attributes holding what the functional form takes after the input (F.layer_norm(x, shape)).
+_MODULE_OPS: dict[type[nn.Module], tuple[str, tuple[str, ...]]] = {
+    nn.GELU: ("gelu", ()),
+    nn.ReLU: ("relu", ()),
+    nn.SiLU: ("silu", ()),
+    nn.Tanh: ("tanh", ()),
+    nn.Sigmoid: ("sigmoid", ()),
+    nn.Dropout: ("dropout", ("p",)),
+    ModeDropout: ("dropout", ("p",)),
+    nn.LayerNorm: ("layer_norm", ("normalized_shape",)),
+    nn.GroupNorm: ("group_norm", ("num_groups",)),
 }
+_MODULE_OPS_BY_NAME = {cls.__name__: op for cls, op in _MODULE_OPS.items()}
+
+
+def _module_op(mod: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    """The functional operation ``mod`` computes (its canonical name and the attributes of its
+    constant arguments), or None. torch.export rebuilds such a module as a ``GraphModule`` named
+    after its class (``ReLU``), which computes the same."""
+    op = _MODULE_OPS.get(type(mod))
+    if op is None and isinstance(mod, fx.GraphModule):
+        op = _MODULE_OPS_BY_NAME.get(type(mod).__name__)
+    return op
 
 
 def _op_name(node: fx.Node, owner: nn.Module | None) -> str | None:
@@ -202,13 +229,29 @@ def _op_name(node: fx.Node, owner: nn.Module | None) -> str | None:
     if node.op == "call_method":
         return str(node.target).rstrip("_")
     if node.op == "call_module" and owner is not None:
-        mod = owner.get_submodule(str(node.target))
-        if isinstance(mod, ModeDropout):
-            return "dropout"
-        for cls, name in _ACTIVATION_MODULES.items():
-            if type(mod) is cls:
-                return name
+        op = _module_op(owner.get_submodule(str(node.target)))
+        return op[0] if op is not None else None
     return None
+
+
+def _constants_agree(pargs: list[Any], mod: nn.Module) -> bool:
+    """Whether the constants a functional pattern op passes after its input
+    (``F.layer_norm(x, 1024)``) equal those of the module a graph calls instead
+    (``nn.LayerNorm(1024)``); a constant the pattern leaves out, or gives as a node, agrees."""
+    op = _module_op(mod)
+    for arg, attr in zip(pargs[1:], op[1] if op is not None else (), strict=False):
+        if isinstance(arg, fx.Node) or not hasattr(mod, attr):
+            continue
+        if _as_tuple(arg) != _as_tuple(getattr(mod, attr)):
+            return False
+    return True
+
+
+def _as_tuple(value: Any) -> Any:
+    """A shape given as an int or a sequence, as a tuple (other values as they are)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    return tuple(value) if isinstance(value, list | tuple | torch.Size) else value
 
 
 # ----- tracing a pattern -----------------------------------------------------------------------
@@ -280,7 +323,7 @@ class _Matcher:
         if p.op == "get_attr":
             return False
         if p.op == "call_function" and p.target is call_module:
-            if t.op != "call_module" or not _name_matches(p.args[0], str(t.target), self._mod(t)):
+            if t.op != "call_module" or not _name_matches(p.args[0], self.owner, str(t.target)):
                 return False
             pargs, commutative = list(p.args[1:]), False
         elif p.op == "call_module":
@@ -292,6 +335,8 @@ class _Matcher:
             if name is None or name != _op_name(t, self.owner):
                 return False
             pargs, commutative = list(p.args), name in _COMMUTATIVE
+            if t.op == "call_module" and not _constants_agree(pargs, self._mod(t)):
+                return False
         env[p] = t
         if self._match_args(pargs, list(t.args), env, commutative):
             return True
@@ -305,7 +350,7 @@ class _Matcher:
         """A pattern's module call matches a call of a module of its type (any sizes), or the
         functional form of the same operation (``nn.ReLU`` and ``F.relu``)."""
         if self.proot is None:  # a hand-made graph: no module to compare types with
-            return t.op == "call_module" and _name_matches(re.escape(str(p.target)), str(t.target))
+            return t.op == "call_module" and str(p.target) in _path_names(str(t.target))
         pmod = self.proot.get_submodule(str(p.target))
         if t.op == "call_module":
             tmod = self._mod(t)
@@ -352,11 +397,30 @@ class _Matcher:
         ]
 
 
-def _name_matches(regex: str, target: str, mod: nn.Module | None = None) -> bool:
-    names = [target, target.rsplit(".", 1)[-1]]
-    if mod is not None:
-        names.append(type(mod).__name__)
-    return any(re.fullmatch(regex, n) for n in names)
+def module_names(gm: nn.Module, target: str) -> list[str]:
+    """The names by which a name regex finds a call of ``gm``'s submodule ``target``: its path,
+    the path's last part and, in a graph traced with ``tracer="dynamo"``, dynamo's name of it
+    (:func:`slapo.tracing.dynamo_name`). (Its class name matches too, but whole.)
+
+    Example:
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.Sequential(nn.Linear(2, 2))))
+        >>> module_names(gm, "0.0")
+        ['0.0', '0']
+    """
+    alias = dynamo_name(gm, target)
+    return _path_names(target) if alias is None else [*_path_names(target), alias]
+
+
+def _path_names(target: str) -> list[str]:
+    return [target, target.rsplit(".", 1)[-1]]
+
+
+def _name_matches(regex: str, gm: nn.Module, target: str) -> bool:
+    """Slapo's name matching, ``re.match`` (anchored at the start of a name only); a class name
+    matches whole (``"Linear"`` is no ``LinearWithSeparateBias``)."""
+    if any(re.match(regex, n) for n in module_names(gm, target)):
+        return True
+    return re.fullmatch(regex, type(gm.get_submodule(target)).__name__) is not None
 
 
 def find_pattern(gm: fx.GraphModule, pattern: Any, path: str = "") -> list[Subgraph]:
@@ -431,6 +495,6 @@ def find_call_modules(gm: fx.GraphModule, regex: str, path: str = "") -> list[Su
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
-        if _name_matches(regex, str(node.target), gm.get_submodule(str(node.target))):
+        if _name_matches(regex, gm, str(node.target)):
             found.append(Subgraph(path, [node], list(node.args), node, dict(node.kwargs)))
     return found

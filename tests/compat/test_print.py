@@ -50,7 +50,7 @@ def test_print_stays_a_call_in_the_traced_graph_and_prints_at_run_time(capsys):
     out = capsys.readouterr().out
     assert "linear1 shape\n torch.Size([4, 3]) \nvalue\n tensor([[" in out, out
     assert f"{expected[0, 0].item():.4f}" in out and f"{expected[3, 2].item():.4f}" in out, out
-    assert out.count("tensor([[") == 2  # the value before the message and after it
+    assert out.count("tensor([[") == 1  # the first argument is returned, not printed
     assert_same(ref, model, X)
 
 
@@ -68,9 +68,11 @@ def test_print_survives_a_flattened_trace_and_prints_what_eager_prints(capsys):
     assert_same(ref, model, X)
 
 
-def test_print_with_tensors_only_logs_a_summary():
+def test_print_returns_its_first_argument_whatever_follows(capsys):
     p = slapo.op.Print("tag")
     x = torch.ones(2, 3)
-    assert p(x) is x
-    a, b = p(x, x)
-    assert a is x and b is x
+    assert p(x) is x  # the value alone: a summary goes to the log, nothing to stdout
+    assert capsys.readouterr().out == ""
+    assert p(x, x) is x
+    assert p(x, "shape", x.shape) is x
+    assert capsys.readouterr().out == f"tag {x}\ntag shape torch.Size([2, 3])\n"

@@ -65,7 +65,7 @@ def test_fused_mlp_dropout_follows_mode() -> None:
     x = torch.randn(64, 8)
     assert torch.equal(mlp.eval()(x), mlp(x))
     assert (mlp.train()(x) == 0).any()
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(slapo.SlapoError, match="activation"):
         slapo.op.FusedMLP(8, 16, activation="tanhh")
 
 

@@ -10,6 +10,7 @@ import collections
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,7 +21,61 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .backend import DeviceBackend, DeviceQueues, GradLanding, Streams, nbytes_of, set_slot
 from .link import CopyEngine, CopyEvent
 
-__all__ = ["NullStream", "VirtualBackend", "take_staged", "wait_arrived"]
+__all__ = ["CpuEvent", "NullStream", "VirtualBackend", "take_staged", "wait_arrived"]
+
+
+class CpuEvent(CopyEvent):
+    """The event of a CPU virtual device, with ``torch.cuda.Event``'s interface, so code that
+    records and waits on a GPU's events runs unchanged on virtual devices.
+
+    ``record(stream)`` on a copy lane completes once the work queued there so far has (a
+    modelled link's transfers); on the compute "stream" (the worker thread, where work is done
+    as soon as it is issued) or with no stream it completes at once. An event never recorded
+    is complete, as a CUDA event is. ``wait`` / ``synchronize`` block the calling thread until
+    completion, ``query`` tells whether it happened, ``elapsed_time`` gives the milliseconds
+    between two completed, timed events.
+
+    Example:
+        >>> start, end = CpuEvent(enable_timing=True), CpuEvent(enable_timing=True)
+        >>> start.record(); end.record(); end.synchronize()
+        >>> end.query(), start.elapsed_time(end) >= 0.0
+        (True, True)
+    """
+
+    __slots__ = ("enable_timing", "blocking", "interprocess", "_recorded")
+
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> None:
+        super().__init__("event", "recorded work")
+        self.enable_timing = enable_timing
+        self.blocking = blocking
+        self.interprocess = interprocess
+        self._recorded = False
+
+    def __repr__(self) -> str:
+        state = "done" if self.query() else "pending"
+        recorded = "recorded" if self._recorded else "never recorded"
+        return f"CpuEvent({recorded}, {state})"
+
+    def record(self, stream: Any = None) -> None:
+        """Complete once the work queued on ``stream`` so far has (at once off a copy lane)."""
+        self._recorded = True
+        self.start = self.end = time.perf_counter()
+        super().record(stream)  # a lane stamps ``end`` when it reaches the marker
+
+    def elapsed_time(self, end_event: CpuEvent) -> float:
+        """Milliseconds from this event's completion to ``end_event``'s (both recorded, with
+        ``enable_timing=True``); waits for both to complete first."""
+        if not (self.enable_timing and getattr(end_event, "enable_timing", False)):
+            raise RuntimeError(
+                "elapsed_time needs both events created with CpuEvent(enable_timing=True)"
+            )
+        if not (self._recorded and end_event._recorded):
+            raise RuntimeError("elapsed_time needs both events recorded (event.record())")
+        self.synchronize()
+        end_event.synchronize()
+        return (end_event.end - self.end) * 1000.0
 
 
 class NullStream:
@@ -37,7 +92,10 @@ class NullStream:
         pass
 
     def record_event(self, event: Any = None) -> CopyEvent:
-        return CopyEvent()
+        """Record ``event`` (a new :class:`CpuEvent` if None): complete, as the work is done."""
+        event = CpuEvent() if event is None else event
+        event.record(self)
+        return event
 
 
 # host tensor -> the CopyEvent of its crossing to the host (to_host), and host tensor -> (device,
@@ -119,7 +177,7 @@ class VirtualBackend(DeviceBackend):
         return contextlib.nullcontext()
 
     def new_event(self) -> Any:
-        return CopyEvent()
+        return CpuEvent()
 
     def device_scope(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

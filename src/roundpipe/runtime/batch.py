@@ -14,7 +14,10 @@ same value for every microbatch) and, for merging only, reducers (``sum_reducer`
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +31,7 @@ from torch.distributed.pipelining.microbatch import (
 )
 
 from ..devices.threads import RunState, wait_event
+from ..devices.virtual_backend import CpuEvent
 from .split_spec import _is_spec_leaf, check_spec, is_spec
 
 if TYPE_CHECKING:
@@ -36,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AvgReducer",
     "Batch",
+    "MicrobatchMergeError",
     "MicrobatchSplitError",
     "RoundPipePackedData",
     "TensorChunkSpec",
@@ -57,6 +62,19 @@ class MicrobatchSplitError(TypeError, AssertionError):
     """A custom ``split_input`` / ``split_label`` callable returned a malformed structure.
 
     A ``TypeError``; also an ``AssertionError``, the error seed 004 names for this case.
+    """
+
+
+class MicrobatchMergeError(ValueError):
+    """Per-microbatch outputs that no merge rule turns into one value: a non-tensor (or a
+    ``_Replicate`` leaf) that differs between microbatches, outputs of different structures,
+    a tensor beside a non-tensor at one position. The message names the output path.
+
+    Example:
+        >>> merge_microbatches([{"n": 1}, {"n": 2}])
+        Traceback (most recent call last):
+        ...
+        roundpipe.runtime.batch.MicrobatchMergeError: output['n'] differs between microbatches (1 in microbatch 0, 2 in microbatch 1): a non-tensor output is merged only when every microbatch returns the same value; return it as a tensor or pass merge_output=<callable> (or a spec) to merge it yourself
     """
 
 
@@ -91,6 +109,17 @@ def wait_transfer_event(
         wait_event(event, what, state=state)
         return
     event.synchronize()
+
+
+def _event_pair(recorded: tuple[Any, Any] | None) -> tuple[Any, Any]:
+    """The (forward, backward) events packed outputs carry for one microbatch: what the last
+    stage recorded, completed by real events where it recorded none. No backward event (no
+    backward ran in this model) means the consumer's backward reads the same host data its
+    forward did: the forward event guards both."""
+    fwd, bwd = recorded if recorded is not None else (None, None)
+    if fwd is None:
+        fwd = CpuEvent()  # nothing in flight: an event never recorded is complete
+    return fwd, (fwd if bwd is None else bwd)
 
 
 class RoundPipePackedData(list):
@@ -138,6 +167,78 @@ class RoundPipePackedData(list):
 # a packed value is one leaf (not a list node) when flattening arguments
 def _is_leaf(x: Any) -> bool:
     return isinstance(x, RoundPipePackedData)
+
+
+# public from torch 2.6 on; the private spelling before (it warns from 2.13 on)
+_tree_is_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf
+
+
+def _leaf_paths(tree: Any, root: str, is_leaf: Callable[[Any], bool] | None = None) -> list[str]:
+    """Readable paths of ``tree``'s leaves, in pytree leaf order, for error messages.
+
+    Types registered without key paths (``register_pytree_node`` with no
+    ``flatten_with_keys_fn``, as the user guide registers them) get ``.TypeName[i]``.
+
+    Example:
+        >>> _leaf_paths(((torch.ones(1), None), {"mask": 1}), "input")
+        ['input[0][0]', 'input[0][1]', "input[1]['mask']"]
+    """
+    out: list[str] = []
+
+    def walk(x: Any, path: str) -> None:
+        if _tree_is_leaf(x, is_leaf):
+            out.append(path)
+            return
+        for suffix, child in _children(x)[0]:
+            walk(child, path + suffix)
+
+    walk(tree, root)
+    return out
+
+
+def _children(node: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """A pytree node's (path suffix, child) pairs and its context."""
+    node_def = pytree.SUPPORTED_NODES[pytree._get_node_type(node)]
+    children, context = node_def.flatten_fn(node)
+    if node_def.flatten_with_keys_fn is not None:
+        keyed = node_def.flatten_with_keys_fn(node)[0]
+        return [(pytree.keystr((k,)), c) for k, c in keyed], context
+    return [(f".{type(node).__name__}[{i}]", c) for i, c in enumerate(children)], context
+
+
+def _first_difference(a: Any, b: Any, path: str, m: int) -> str:
+    """Where output ``b`` (of microbatch ``m``) first departs from ``a``'s (microbatch 0's)
+    structure: a path and what differs there (a type, or a context such as dict keys or a
+    registered type's non-tensor fields)."""
+    if _tree_is_leaf(a) or _tree_is_leaf(b) or type(a) is not type(b):
+        return (
+            f"{path} is a {type(a).__name__} in microbatch 0 but a {type(b).__name__} in "
+            f"microbatch {m}"
+        )
+    kids_a, ctx_a = _children(a)
+    kids_b, ctx_b = _children(b)
+    if ctx_a != ctx_b or len(kids_a) != len(kids_b):
+        return (
+            f"{path} ({type(a).__name__}) holds {_short(ctx_a)} in microbatch 0 but "
+            f"{_short(ctx_b)} in microbatch {m}"
+        )
+    for (suffix, ca), (_, cb) in zip(kids_a, kids_b):
+        if pytree.tree_structure(ca) != pytree.tree_structure(cb):
+            return _first_difference(ca, cb, path + suffix, m)
+    return f"{path} differs in structure between microbatch 0 and microbatch {m}"
+
+
+def _input_paths(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """Leaf paths of ``(args, kwargs)`` as the caller wrote them: ``args[0]``, ``kwargs['m']``."""
+    return _leaf_paths(tuple(args), "args", _is_leaf) + _leaf_paths(
+        dict(kwargs), "kwargs", _is_leaf
+    )
+
+
+def _replicated_anyway(leaf: Any) -> bool:
+    """``None`` and 0-d tensors have nothing to split: every microbatch gets them as they are,
+    whatever spec covers them (a spec prefix covering a subtree reaches them too)."""
+    return leaf is None or (isinstance(leaf, torch.Tensor) and leaf.ndim == 0)
 
 
 # -- specs (the leaf checks live in roundpipe.runtime.split_spec) ---------------------------------
@@ -250,41 +351,58 @@ def _split_spec_leaves(spec: Any) -> list[Any]:
 
 
 def split_by_spec(
-    data: Any, spec_leaves: list[Any], n: int, rows: Sequence[int] | None = None
+    data: Any,
+    spec_leaves: list[Any],
+    n: int,
+    rows: Sequence[int] | None = None,
+    paths: Sequence[str] | None = None,
 ) -> list[Any]:
     """Split ``data`` into ``n`` pytrees following flattened ``spec_leaves``.
 
-    Packed leaves hand out their own microbatches. ``rows`` (the batch rows of each
-    microbatch, e.g. those of packed inputs) sets the chunk sizes of tensors split on dim 0
-    whose size is their sum, so they line up with the packed microbatches.
+    Packed leaves hand out their own microbatches; ``None`` and 0-d tensors are replicated
+    whatever their spec. ``rows`` (the batch rows of each microbatch, e.g. those of packed
+    inputs) sets the chunk sizes of tensors split on dim 0 whose size is their sum, so they line
+    up with the packed microbatches; other chunked tensors follow ``torch.tensor_split`` (sizes
+    that do not divide by ``n`` give the first microbatches one row more). ``paths`` names the
+    leaves in error messages.
 
     Example:
         >>> [t.tolist() for t in split_by_spec(torch.arange(4), [TensorChunkSpec(0)], 2)]
         [[0, 1], [2, 3]]
         >>> [t.tolist() for t in split_by_spec(torch.arange(4), [TensorChunkSpec(0)], 2, [3, 1])]
         [[0, 1, 2], [3]]
+        >>> [t.tolist() for t in split_by_spec(torch.arange(5), [TensorChunkSpec(0)], 2)]
+        [[0, 1, 2], [3, 4]]
     """
     leaves, treespec = pytree.tree_flatten(data, is_leaf=_is_leaf)
     per_mb: list[list[Any]] = [[] for _ in range(n)]
-    for leaf, s in zip(leaves, spec_leaves):
+    for j, (leaf, s) in enumerate(zip(leaves, spec_leaves)):
+        where = paths[j] if paths is not None else f"leaf {j}"
         if isinstance(leaf, RoundPipePackedData):
             if len(leaf) != n:
-                raise ValueError(f"packed data has {len(leaf)} microbatches but {n} are in use")
+                raise ValueError(
+                    f"{where}: packed data has {len(leaf)} microbatches but {n} are in use"
+                )
             for i in range(n):
                 per_mb[i].append(leaf[i])
-        elif isinstance(s, TensorChunkSpec):
+        elif isinstance(s, TensorChunkSpec) and not _replicated_anyway(leaf):
             if not isinstance(leaf, torch.Tensor):
-                raise ValueError(f"cannot split non-tensor {type(leaf).__name__} with {s}")
+                raise ValueError(
+                    f"{where}: cannot split a {type(leaf).__name__} with {s}; mark it "
+                    "_Replicate (or None) in the spec"
+                )
             dim = s.split_dim
-            if leaf.ndim == 0 or not -leaf.ndim <= dim < leaf.ndim:
-                raise ValueError(f"cannot split a tensor of shape {tuple(leaf.shape)} with {s}")
+            if not -leaf.ndim <= dim < leaf.ndim:
+                raise ValueError(
+                    f"{where}: cannot split a tensor of shape {tuple(leaf.shape)} with {s}"
+                )
             if leaf.shape[dim] < n:
                 raise ValueError(
-                    f"cannot split a tensor with size {leaf.shape[dim]} on dim "
+                    f"{where}: cannot split a tensor with size {leaf.shape[dim]} on dim "
                     f"{dim} into {n} microbatches"
                 )
-            if rows is not None and dim in (0, -leaf.ndim) and leaf.shape[0] == sum(rows):
-                chunks = torch.split(leaf, list(rows), dim=0)
+            if _follows_rows(leaf, dim, rows):
+                chunks = torch.split(leaf, list(rows or ()), dim=0)
             else:
                 chunks = torch.tensor_split(leaf, n, dim=dim)
             for i, chunk in enumerate(chunks):
@@ -295,11 +413,80 @@ def split_by_spec(
     return [pytree.tree_unflatten(mb, treespec) for mb in per_mb]
 
 
+def _follows_rows(leaf: torch.Tensor, dim: int, rows: Sequence[int] | None) -> bool:
+    """Whether a tensor chunked on ``dim`` takes the given per-microbatch ``rows``."""
+    return rows is not None and dim in (0, -leaf.ndim) and leaf.shape[0] == sum(rows)
+
+
+def _warn_uneven(
+    data: Any,
+    spec_leaves: list[Any],
+    n: int,
+    rows: Sequence[int] | None,
+    paths: Sequence[str],
+    name: str,
+) -> None:
+    """Warn (once per split) when chunked tensors do not divide into ``n`` equal microbatches.
+
+    The split still happens (``torch.tensor_split``: the first ``size % n`` microbatches get one
+    row more) and merged outputs equal the whole batch's; what changes is a ``loss_fn`` that
+    averages per microbatch and divides by ``num_microbatch``: it no longer weighs every row
+    the same.
+    """
+    uneven: dict[tuple[int, int], list[str]] = {}
+    leaves = pytree.tree_leaves(data, is_leaf=_is_leaf)
+    for leaf, s, where in zip(leaves, spec_leaves, paths):
+        if (
+            isinstance(s, TensorChunkSpec)
+            and isinstance(leaf, torch.Tensor)
+            and not _replicated_anyway(leaf)
+            and -leaf.ndim <= s.split_dim < leaf.ndim
+            and not _follows_rows(leaf, s.split_dim, rows)
+            and leaf.shape[s.split_dim] % n
+        ):
+            uneven.setdefault((leaf.shape[s.split_dim], s.split_dim), []).append(where)
+    if not uneven:
+        return
+    parts = []
+    for (size, dim), where in uneven.items():
+        q, r = divmod(size, n)  # torch.tensor_split's sizes
+        sizes = [q + 1] * r + [q] * (n - r)
+        parts.append(f"size {size} ({', '.join(where)}, dim {dim}) splits into {sizes}")
+    warnings.warn(
+        f"{name}: the batch does not divide into {n} microbatches: {'; '.join(parts)} "
+        "(torch.tensor_split). Merged outputs equal the whole batch's, but a per-microbatch "
+        "mean loss divided by num_microbatch no longer weighs every row the same: use a batch "
+        f"size divisible by {n} for the whole-batch mean.",
+        UserWarning,
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+_INTERNAL_DIRS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # roundpipe
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,  # nn.Module.__call__
+)
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel (from its caller) that points at the user's line: the
+    first frame outside roundpipe and torch."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _split(
-    data: Any, user_spec: Any, n_wanted: int, name: str, expected_bs: int | None
+    data: Any,
+    user_spec: Any,
+    n_wanted: int,
+    name: str,
+    expected_bs: int | None,
+    paths: Sequence[str],
 ) -> tuple[list[Any], int, str | None, list[int] | None]:
     """Split ``data``; returns (microbatches, actual count, why it differs from ``n_wanted``,
-    batch rows per microbatch or None when unknown)."""
+    batch rows per microbatch or None when unknown). ``paths`` names ``data``'s leaves."""
     leaves = pytree.tree_leaves(data, is_leaf=_is_leaf)
     packed = [x for x in leaves if isinstance(x, RoundPipePackedData)]
     n = n_wanted
@@ -324,19 +511,24 @@ def _split(
             n, reason = bs, f"the batch has only {bs} rows"
     else:
         spec_leaves = _spec_from_user(user_spec, data, name)
-    mbs = split_by_spec(data, spec_leaves, n, packed_rows)
+    _warn_uneven(data, spec_leaves, n, packed_rows, paths, name)
+    mbs = split_by_spec(data, spec_leaves, n, packed_rows, paths)
     rows = packed_rows if packed else _rows(mbs, spec_leaves)
     return mbs, n, (reason if n != n_wanted else None), rows
 
 
 def _rows(mbs: list[Any], spec_leaves: list[Any]) -> list[int] | None:
     """Batch rows of each microbatch: the size of the first split tensor along its split dim."""
+    flat = [pytree.tree_leaves(mb, is_leaf=_is_leaf) for mb in mbs]
     for j, s in enumerate(spec_leaves):
         if isinstance(s, TensorChunkSpec):
-            leaves = [pytree.tree_leaves(mb, is_leaf=_is_leaf)[j] for mb in mbs]
-            if all(isinstance(t, torch.Tensor) for t in leaves):
+            leaves = [f[j] for f in flat]
+            if all(isinstance(t, torch.Tensor) for t in leaves) and not any(
+                _replicated_anyway(t) for t in leaves
+            ):
                 return [t.shape[s.split_dim] for t in leaves]
-            return None
+            if not all(_replicated_anyway(t) for t in leaves):
+                return None
     return None
 
 
@@ -421,6 +613,7 @@ def _same(a: Any, b: Any) -> bool:
         return (
             isinstance(a, torch.Tensor)
             and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
             and a.shape == b.shape
             and bool(torch.equal(a.detach().cpu(), b.detach().cpu()))
         )
@@ -430,31 +623,80 @@ def _same(a: Any, b: Any) -> bool:
         return a is b
 
 
-def _auto_merge(vals: list[Any], weights: list[float] | None) -> Any:
-    """Default merge of one leaf's per-microbatch values."""
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _differs(path: str, vals: list[Any], why: str) -> MicrobatchMergeError:
+    """The error for a leaf whose microbatches disagree: names the path and the values."""
+    m = next(i for i, v in enumerate(vals) if not _same(v, vals[0]))
+    return MicrobatchMergeError(
+        f"{path} differs between microbatches ({_short(vals[0])} in microbatch 0, "
+        f"{_short(vals[m])} in microbatch {m}): {why}"
+    )
+
+
+def _average_scalars(vals: list[torch.Tensor], weights: list[float] | None) -> torch.Tensor:
+    """The average of 0-d tensors, weighted by ``weights`` (batch rows) when given.
+
+    A value every microbatch agrees on (a replicated input handed back, a constant) is
+    returned as given, dtype and all: its average. Values that carry gradients are always
+    averaged, so each microbatch's graph gets its share of the gradient. Integer and bool
+    values that differ average in the default float dtype.
+    """
     v0 = vals[0]
-    if isinstance(v0, torch.Tensor):
-        if v0.ndim > 0:
-            return torch.cat(vals, 0)
-        if v0.dtype == torch.bool:  # a flag per microbatch: no reduction fits every flag
-            return torch.stack(vals)
-        if not (v0.is_floating_point() or v0.is_complex()):  # a count: counts add up
-            return torch.stack(vals).sum(0)
-        if weights is None:
-            return torch.stack(vals).mean(0)
-        w = torch.tensor(weights, dtype=v0.dtype, device=v0.device)
-        return (torch.stack(vals) * w).sum(0) / w.sum()
-    # plain Python values (ints, floats, strings, ...): kept once when every microbatch
-    # agrees (pipelining's replicate rule), else the per-microbatch list
-    if all(_same(v, v0) for v in vals[1:]):
+    if not any(v.requires_grad for v in vals) and all(_same(v, v0) for v in vals[1:]):
         return v0
-    return list(vals)
+    stacked = torch.stack(vals)
+    if not (stacked.is_floating_point() or stacked.is_complex()):
+        stacked = stacked.to(torch.get_default_dtype())
+    if weights is None:
+        return stacked.mean(0)
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)
+    return (stacked * w).sum(0) / w.sum()
 
 
-def _spec_merge(vals: list[Any], spec: Any, path: int) -> Any:
+def _auto_merge(vals: list[Any], weights: list[float] | None, path: str) -> Any:
+    """Default merge of one leaf's per-microbatch values (the user guide's rules)."""
+    tensors = [isinstance(v, torch.Tensor) for v in vals]
+    if any(tensors) and not all(tensors):
+        m = tensors.index(not tensors[0])
+        raise MicrobatchMergeError(
+            f"{path} is a {type(vals[0]).__name__} in microbatch 0 but a "
+            f"{type(vals[m]).__name__} in microbatch {m}; every microbatch must return the same "
+            "kind of value there (or pass merge_output=<callable>)"
+        )
+    if all(tensors):
+        batched = [v.ndim > 0 for v in vals]
+        if all(batched):  # the batch dimension: concatenated, differentiably
+            return torch.cat(vals, 0)
+        if not any(batched):  # scalars (a loss, a replicated value): averaged
+            return _average_scalars(vals, weights)
+        raise MicrobatchMergeError(
+            f"{path} is a 0-d tensor in some microbatches and batched in others "
+            f"(shapes {[tuple(v.shape) for v in vals]}); pass merge_output=<callable>"
+        )
+    # plain Python values (ints, strings, None, ...): kept once when every microbatch agrees
+    if all(_same(v, vals[0]) for v in vals[1:]):
+        return vals[0]
+    raise _differs(
+        path,
+        vals,
+        "a non-tensor output is merged only when every microbatch returns the same value; "
+        "return it as a tensor or pass merge_output=<callable> (or a spec) to merge it yourself",
+    )
+
+
+def _spec_merge(vals: list[Any], spec: Any, path: str) -> Any:
+    if all(v is None for v in vals):  # an absent optional output stays absent
+        return None
     if isinstance(spec, TensorChunkSpec):
         if not all(isinstance(v, torch.Tensor) and v.ndim > 0 for v in vals):
-            raise ValueError(f"merge_output: output leaf {path} is not a batched tensor: {spec}")
+            raise MicrobatchMergeError(
+                f"merge_output: {path} is not a batched tensor in every microbatch "
+                f"({[_short(v) for v in vals]}), so {spec} cannot concatenate it"
+            )
         return torch.cat(vals, spec.split_dim)
     if isinstance(spec, _CustomReducer):
         acc = spec.init_value
@@ -462,13 +704,14 @@ def _spec_merge(vals: list[Any], spec: Any, path: int) -> Any:
             acc = spec.reduce_fn(acc, v)
         return acc
     # replicate: every microbatch must give the same value
-    for m, v in enumerate(vals[1:], 1):
-        if not _same(v, vals[0]):
-            raise ValueError(
-                f"merge_output: output leaf {path} is replicated but microbatch {m} differs "
-                "from microbatch 0"
-            )
-    return vals[0]
+    if all(_same(v, vals[0]) for v in vals[1:]):
+        return vals[0]
+    m = next(i for i, v in enumerate(vals) if not _same(v, vals[0]))
+    raise MicrobatchMergeError(
+        f"merge_output: {path} is replicated but microbatch {m} differs from microbatch 0 "
+        f"({_short(vals[m])} vs {_short(vals[0])}); a _Replicate / None leaf needs the same value "
+        "from every microbatch: use TensorChunkSpec or a reducer there"
+    )
 
 
 def merge_microbatches(
@@ -479,24 +722,27 @@ def merge_microbatches(
 ) -> Any:
     """Merge per-microbatch outputs leaf by leaf.
 
-    Without ``spec``: tensors with a batch dim are concatenated on dim 0 (differentiably);
-    floating scalars averaged (weighted by ``rows``, the batch rows of each microbatch, when
-    microbatches differ in size, so a mean loss per microbatch merges into the mean over the
-    whole batch); integer scalars summed (counts); bool scalars stacked (one flag per
-    microbatch); equal non-tensors kept once, differing ones returned as a list.
+    Without ``spec`` (the user guide's default rules): tensors with a batch dim are
+    concatenated on dim 0 (differentiably); 0-d tensors averaged (weighted by ``rows``, the
+    batch rows of each microbatch, when microbatches differ in size, so a mean loss per
+    microbatch merges into the mean over the whole batch), a value every microbatch agrees on
+    coming back as given; non-tensors (``None`` included) kept once when every microbatch
+    agrees, a :class:`MicrobatchMergeError` naming the output path otherwise.
 
     ``spec`` (a merge spec mirroring the output, or a prefix of it) overrides that per leaf:
     ``TensorChunkSpec(d)`` concatenates on ``d``, a reducer (``sum_reducer``,
     :data:`avg_reducer`) folds the values, ``_Replicate`` / ``None`` keeps a value every
-    microbatch agrees on.
+    microbatch agrees on. A leaf that is ``None`` in every microbatch stays ``None``.
 
     Example:
         >>> merge_microbatches([(torch.ones(1), 2), (torch.zeros(1), 2)])
         (tensor([1., 0.]), 2)
         >>> merge_microbatches([torch.tensor(1.0), torch.tensor(4.0)], rows=[2, 1])
         tensor(2.)
+        >>> merge_microbatches([torch.tensor(233), torch.tensor(233)])
+        tensor(233)
         >>> merge_microbatches([torch.tensor(3), torch.tensor(4)])
-        tensor(7)
+        tensor(3.5000)
         >>> merge_microbatches([torch.ones(2, 1), torch.ones(2, 1)], spec=TensorChunkSpec(1)).shape
         torch.Size([2, 2])
     """
@@ -508,22 +754,27 @@ def merge_microbatches(
     weights = None if rows is None or len(set(rows)) <= 1 else [float(r) for r in rows]
     flat = [pytree.tree_flatten(o) for o in outputs]
     treespec = flat[0][1]
-    for _, s in flat[1:]:
+    for m, (_, s) in enumerate(flat[1:], 1):
         if s != treespec:
-            raise ValueError(
-                "microbatch outputs have different structures; pass merge_output=callable"
+            raise MicrobatchMergeError(
+                f"microbatch {m}'s output has a different structure from microbatch 0's: "
+                f"{_first_difference(outputs[0], outputs[m], 'output', m)} (a registered "
+                "type's context, e.g. a non-tensor field, is part of the structure and must "
+                "be equal); return the same structure from every microbatch, or pass "
+                "merge_output=<callable>"
             )
+    paths = _leaf_paths(outputs[0], "output")
     spec_leaves = None
     if spec is not None:
         check_spec(spec, "merge_output", for_merge=True)
         spec_leaves = _broadcast_spec(spec, outputs[0], "merge_output", for_merge=True)
     merged = []
-    for i in range(len(flat[0][0])):
+    for i, path in enumerate(paths):
         vals = [f[0][i] for f in flat]
         if spec_leaves is None:
-            out = _auto_merge(vals, weights)
+            out = _auto_merge(vals, weights, path)
         else:
-            out = _spec_merge(vals, spec_leaves[i], i)
+            out = _spec_merge(vals, spec_leaves[i], path)
         if device is not None and isinstance(out, torch.Tensor):
             out = out.to(device)
         merged.append(out)
@@ -589,8 +840,9 @@ class Batch:
             reason = f"split_input returned {len(mbs)} parts" if len(mbs) != n else None
             rows = None
         else:
+            paths = _input_paths(tuple(args), dict(kwargs))
             mbs, _, reason, rows = _split(
-                (tuple(args), dict(kwargs)), split_input, n, "split_input", None
+                (tuple(args), dict(kwargs)), split_input, n, "split_input", None, paths
             )
         self.num_microbatch: int = len(mbs)
         # why fewer (or more) microbatches than run_config.num_microbatch were made; None if equal
@@ -639,7 +891,9 @@ class Batch:
             spec_leaves = _split_spec_leaves(spec)
         else:
             spec_leaves = _spec_from_user(split_label, label, "split_label")
-        return split_by_spec(label, spec_leaves, n, self.microbatch_rows)
+        paths = _leaf_paths(label, "label", _is_leaf)
+        _warn_uneven(label, spec_leaves, n, self.microbatch_rows, paths, "split_label")
+        return split_by_spec(label, spec_leaves, n, self.microbatch_rows, paths)
 
     def wait_forward_events(self, m: int, state: RunState | None = None) -> None:
         """Block until microbatch ``m``'s packed inputs are on the host."""
@@ -661,11 +915,12 @@ class Batch:
         """Merge microbatch outputs, or pack them per output leaf when ``merge_output`` is False.
 
         Merging first waits for the outputs' transfer events (:attr:`output_events`); packing
-        hands them on in each :class:`RoundPipePackedData` instead.
+        hands them on in each :class:`RoundPipePackedData` instead, a real (forward, backward)
+        event pair per microbatch on every backend.
         """
         outs = self.outputs() if outputs is None else outputs
         merge: Any = run_config.merge_output
-        events = [ev if ev is not None else (None, None) for ev in self.output_events]
+        events = [_event_pair(ev) for ev in self.output_events]
         if merge is False:
             return pack_microbatches(outs, events)
         for fwd, _ in events:

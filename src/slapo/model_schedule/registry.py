@@ -13,6 +13,7 @@ from ..exceptions import SlapoError
 from ..schedule import Schedule, create_schedule
 from .generic import GENERIC_KNOBS, generic_plan
 from .knobs import LAYOUT_KNOBS, Knobs, recommended_knobs
+from .published import CONTEXT_KNOBS, translate_published_knobs
 
 __all__ = [
     "ScheduleFn",
@@ -121,12 +122,17 @@ def apply_schedule(
             plan when that has no ready schedule.
         **knobs: ``group``, ``sequence_parallel``, ``ckpt_ratio``, ``attn_op``, ``fuse_ops``,
             ``fused_loss``, ``num_stages``; see :class:`~slapo.model_schedule.knobs.Knobs`.
+            Published Slapo's ``model_config``, ``prefix``, ``fp16``, ``bf16``,
+            ``disable_flash_attn`` and ``attn_op_name`` are taken too
+            (:mod:`~slapo.model_schedule.published`).
 
     Example:
         >>> sch = apply_schedule(model)                  # the recommended schedule
         >>> sch = apply_schedule(model, ckpt_ratio=0.5)  # exactly this, nothing else
         >>> model, optimizer = slapo.build(sch, init_weights=False)
     """
+    choices = set(knobs) - set(CONTEXT_KNOBS)
+    knobs, context = translate_published_knobs(_module_of(model), knobs)
     unknown = sorted(set(knobs) - set(Knobs.__dataclass_fields__))
     if unknown:
         raise SlapoError(
@@ -141,7 +147,7 @@ def apply_schedule(
     if explicit:
         get_schedule(family)  # a named family must exist
     ready = family in _SCHEDULES
-    recommended = not set(knobs) - set(LAYOUT_KNOBS)
+    recommended = not choices - set(LAYOUT_KNOBS)
     if recommended:
         defaults = recommended_knobs(family) if ready else dict(GENERIC_KNOBS)
         if knobs.get("group") is not None or knobs.get("num_stages", 1) > 1:
@@ -159,8 +165,14 @@ def apply_schedule(
     else:
         generic_plan(sch, settings)
         info = {"family": None, **sch.extra.pop("model_schedule_plan")}
-    sch.extra["model_schedule"] = {**info, "recommended": recommended, **settings.as_dict()}
+    sch.extra["model_schedule"] = {
+        **info, "recommended": recommended, **settings.as_dict(), **context
+    }  # fmt: skip
     return sch
+
+
+def _module_of(model: nn.Module | Schedule) -> nn.Module:
+    return model.mod if isinstance(model, Schedule) else model
 
 
 def _root_schedule(model: nn.Module | Schedule, group: Any) -> Schedule:

@@ -13,24 +13,24 @@ __all__ = ["Print"]
 
 
 class Print(nn.Module):
-    """Report the arguments it is called with; return the inputs.
+    """Return the first argument unchanged; report the rest at run time.
 
-    Called with tensors only, it logs the shape, dtype and (with ``stats``) mean of each, to the
-    Slapo logger. Called with anything else too (a message, a shape), it prints every argument to
-    stdout as ``print`` does, as Slapo code calls it:
-    ``self.print(out, "shape", out.shape, "value", out)``. One argument comes back as itself,
-    several as a tuple.
+    As Slapo code calls it, ``out = self.print(out, "shape", out.shape, "value", out)`` is an
+    identity on ``out`` (use the result, so that the call stays in the dataflow graph) that
+    prints every further argument to stdout as ``print`` does, preceded by ``tag`` if one is set.
+    Called with the value alone, ``Print(tag)(x)`` logs a one-line summary of ``x`` instead
+    (shape, dtype and, with ``stats``, the mean) to the Slapo logger.
 
     It stays one call in an fx graph (a leaf, which dead-code elimination keeps although its
-    result is unused), so the built model prints real values at run time instead of the
+    result may be unused), so the built model prints real values at run time instead of the
     tracer's placeholders once at trace time. torch.export cannot keep such a call: it is left
     out of an exported graph, with a warning.
 
     Example:
         >>> p = Print("x", stats=True)
         >>> y = p(torch.ones(2, 3))  # logs "[Print x] Tensor(2, 3) torch.float32 mean=1"
-        >>> _ = Print()(torch.ones(1), "has shape", torch.Size([1]))
-        tensor([1.]) has shape torch.Size([1])
+        >>> y = Print()(torch.ones(1), "has shape", torch.Size([1]))  # y is the tensor
+        has shape torch.Size([1])
     """
 
     _slapo_trace_leaf = True  # tracers keep the call (slapo.tracing.leaves.is_leaf)
@@ -41,21 +41,23 @@ class Print(nn.Module):
         self.tag = tag
         self.stats = stats
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, value: Any, *message: Any) -> Any:
         if torch.compiler.is_exporting():
             # torch.export would print its fake tensors once, now, and drop the call.
             get_logger().warning(
                 "Print%s is left out of a torch.export graph; trace with tracer='fx' to keep it",
                 f" {self.tag!r}" if self.tag else "",
             )
-        elif all(isinstance(a, torch.Tensor) for a in args):
-            get_logger().info("[Print %s] %s", self.tag, ", ".join(self._summary(a) for a in args))
+        elif message:
+            print(*((self.tag,) if self.tag else ()), *message, flush=True)
         else:
-            print(*((self.tag,) if self.tag else ()), *args, flush=True)
-        return args[0] if len(args) == 1 else args
+            get_logger().info("[Print %s] %s", self.tag, self._summary(value))
+        return value
 
-    def _summary(self, tensor: torch.Tensor) -> str:
-        text = f"Tensor{tuple(tensor.shape)} {tensor.dtype}"
-        if self.stats and tensor.is_floating_point():
-            text += f" mean={tensor.detach().float().mean().item():.4g}"
+    def _summary(self, value: Any) -> str:
+        if not isinstance(value, torch.Tensor):
+            return repr(value)
+        text = f"Tensor{tuple(value.shape)} {value.dtype}"
+        if self.stats and value.is_floating_point():
+            text += f" mean={value.detach().float().mean().item():.4g}"
         return text

@@ -26,10 +26,12 @@ class FindPrimitive(Primitive):
     """Find module calls (a regex on their names) or subgraphs (a pattern) in the traced module.
 
     A string is a regex matched against the called submodule's name (its last part, or its full
-    dotted name) or its class name (``"ReLU"``). A function, a ``Pattern`` instance or class, or
-    a ``ModulePattern`` is matched structurally; ``call_module(regex, *args)`` inside a pattern
-    matches a submodule call, and a ``Pattern``'s own submodules match calls of modules of their
-    type. A pattern that returns a tuple (branches, e.g. q/k/v projections of one input) gives
+    dotted name), as Slapo matched it, with ``re.match``: from the start of the name (``r"fc"``
+    finds ``fc1`` and ``fc2``; ``r"fc1$"`` only ``fc1``), or its whole class name (``"ReLU"``);
+    in a module traced with ``tracer="dynamo"``, dynamo's name of a call (``self_query``) too.
+    A function, a ``Pattern`` instance or class, or a ``ModulePattern`` is matched structurally;
+    ``call_module(regex, *args)`` inside a pattern matches a submodule call, and a ``Pattern``'s
+    own submodules match calls of modules of their type. A pattern that returns a tuple (branches, e.g. q/k/v projections of one input) gives
     matches with several ``outputs``; ``sch.get_module(node.target)`` gives a matched module.
     Traced submodules (child GraphModules) are searched too; each ``Subgraph`` records the path
     of the graph it lives in. Returns a list with every non-overlapping match (empty if none);

@@ -66,6 +66,29 @@ def _script_or_eager(gm: fx.GraphModule, where: str) -> nn.Module:
     return gm
 
 
+def number_modules(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with the modules its graph calls held as children ``"0"``, ``"1"``, ... in the
+    order of their first call, as Slapo's fused modules hold them (a module called twice is one
+    child). ``gm``'s graph is reused; its class name is kept.
+
+    Example:
+        >>> gm = fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        >>> [name for name, _ in number_modules(gm).named_children()]
+        ['0', '1']
+    """
+    holder = nn.Module()
+    numbers: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        target = str(node.target)
+        if target not in numbers:
+            numbers[target] = str(len(numbers))
+            holder.add_module(numbers[target], gm.get_submodule(target))
+        node.target = numbers[target]
+    return fx.GraphModule(holder, gm.graph, class_name=type(gm).__name__)
+
+
 _UNSET: Any = object()
 
 
@@ -123,8 +146,9 @@ class FusePrimitive(Primitive):
     one (or with ``"default"``), the subgraph is scripted where TorchScript can compile it, else
     kept as an eager fused module (noted in the log).
     Each match becomes a submodule ``<name>_0``, ``<name>_1``, ... (Slapo's naming), reachable as
-    ``sch["<name>_0"]``. The subgraph's intermediate values must not be used outside it.
-    Returns the fused modules' names.
+    ``sch["<name>_0"]``: a module of class ``name`` whose children are the modules the match
+    calls, in call order, named ``"0"``, ``"1"``, ... (their parameters move with them). The
+    subgraph's intermediate values must not be used outside it. Returns the fused modules' names.
 
     Example:
         >>> subgraph = sch.find(lambda x, bias: F.gelu(bias + x))
@@ -153,6 +177,6 @@ class FusePrimitive(Primitive):
             "fuse",
             name,
             name,
-            lambda gm, owner: compile_module(gm, compiler, label(owner.path)),
+            lambda gm, owner: compile_module(number_modules(gm), compiler, label(owner.path)),
             numbered=True,
         )

@@ -20,25 +20,44 @@ class ReplacePrimitive(Primitive):
     the new module's children. The new module keeps its own parameter names: give it the same
     attribute names as the old one if a checkpoint must still load.
 
+    With ``subgraph`` (what ``find`` returns) only that part of the traced graph is replaced
+    (see :func:`~slapo.primitives.subgraph_replace.replace_subgraph`): ``name`` names the new
+    submodule (``<name>_0``), and ``concrete_args`` binds, by name, the new module's arguments
+    that the subgraph does not supply.
+
     Example:
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> sch["1"].replace(nn.ReLU())
+        >>> core = attn_sch.find(scaled_dot_product)  # q, k, v -> attention output
+        >>> attn_sch.replace(
+        ...     FlashAttentionOp("native_xformers"), core,
+        ...     concrete_args={"attention_mask": None, "p": 0.1},
+        ... )
+        'FlashAttentionOp_0'
     """
 
     name = "replace"
 
     @staticmethod
-    def apply(sch: Schedule, new_module: nn.Module, subgraph: Any = None, **kwargs: Any) -> None:
+    def apply(
+        sch: Schedule,
+        new_module: nn.Module,
+        subgraph: Any = None,
+        name: str | None = None,
+        concrete_args: dict[str, Any] | None = None,
+    ) -> str | None:
         if not isinstance(new_module, nn.Module):
             raise PrimitiveTypeError(
                 f'replace on "{label(sch.path)}" needs an nn.Module, got '
                 f"{type(new_module).__name__}; wrap a function in an nn.Module first"
             )
         if subgraph is not None:
-            return replace_subgraph(sch, new_module, subgraph, **kwargs)
-        if kwargs:
+            return replace_subgraph(sch, new_module, subgraph, name, concrete_args)
+        given = [k for k, v in (("name", name), ("concrete_args", concrete_args)) if v is not None]
+        if given:
             raise PrimitiveError(
-                f'replace() got unexpected arguments {sorted(kwargs)} on "{sch.path}"'
+                f'replace on "{label(sch.path)}": {" and ".join(given)} only apply when replacing '
+                "a subgraph: replace(new_module, sch.find(pattern), ...)"
             )
         if new_module is sch.mod:
             raise PrimitiveError(f'replace on "{label(sch.path)}" got the module it already has')

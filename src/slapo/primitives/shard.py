@@ -17,8 +17,9 @@ from ..surgery import join_path, label
 class ShardPrimitive(Primitive):
     """Shard parameter ``param_name`` of this module along ``axis`` over the schedule's group.
 
-    Each rank keeps its contiguous slice; the original shape is recorded on the parameter
-    (``slapo.sharding.get_shard_spec(param).full_shape``). Known layers follow: ``nn.Linear``
+    Each rank keeps its contiguous slice; the original (unsharded, unpadded) shape is recorded on
+    the parameter, as ``param.orig_shape`` (a ``torch.Size``, as Slapo code reads it) and in its
+    layout (``slapo.sharding.get_shard_spec(param).full_shape``). Known layers follow: ``nn.Linear``
     (``out_features``/``in_features``), transformers' ``Conv1D`` (``nf``/``nx``), ``nn.Embedding``
     (axis 0 makes it vocabulary-parallel), ``nn.Conv2d`` (channels) and norms (a BatchNorm's
     running statistics are cut to its channels too). Input-axis sharding
@@ -62,6 +63,7 @@ class ShardPrimitive(Primitive):
         new = nn.Parameter(_local_tensor(param, spec), requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)
         setattr(new, SPEC_ATTR, spec)
+        new.orig_shape = torch.Size(param.shape)
         holders = _holders(sch.root.mod, param)
         for holder_path, holder, attr in holders:
             holder._parameters[attr] = new

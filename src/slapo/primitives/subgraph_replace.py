@@ -6,6 +6,7 @@ can be cut out, extracting it as a ``GraphModule``, and putting a module call in
 
 from __future__ import annotations
 
+import inspect
 import operator
 import re
 import warnings
@@ -21,6 +22,7 @@ from ..schedule import Schedule
 from ..surgery import label, unique_name
 
 __all__ = [
+    "bind_concrete_args",
     "check_closed",
     "extract",
     "normalize",
@@ -258,7 +260,11 @@ def _drop_unused(gm: fx.GraphModule, targets: set[str]) -> None:
 
 
 def replace_subgraph(
-    sch: Schedule, new_module: nn.Module, subgraph: Any, name: str | None = None
+    sch: Schedule,
+    new_module: nn.Module,
+    subgraph: Any,
+    name: str | None = None,
+    concrete_args: dict[str, Any] | None = None,
 ) -> str | None:
     """Replace one matched chain, or several parallel chains (horizontal fusion), by a module.
 
@@ -268,6 +274,8 @@ def replace_subgraph(
     order, and must return a tuple whose i-th element replaces the i-th chain's output.
     One match of a pattern that returns a tuple (branches): it is called with the pattern's
     arguments and returns a tuple whose i-th element replaces the i-th branch's output.
+    ``concrete_args``: values for the new module's arguments that the subgraph does not supply,
+    by name, passed as keywords in every call (e.g. an attention op's mask and dropout ``p``).
     The module is registered as ``<name>_0`` (then ``_1``, ...), ``name`` defaulting to its class
     name, as Slapo names it; the registered name is returned.
 
@@ -275,6 +283,9 @@ def replace_subgraph(
         >>> qkv = attn.find(r"[qkv]_proj")  # three module calls on the same input
         >>> attn.replace(FusedQKV(...), qkv, name="FusedQKV")  # FusedQKV(x) -> (q, k, v)
         'FusedQKV_0'
+        >>> core = attn.find(scaled_dot_product)  # (q, k, v) -> attention
+        >>> attn.replace(FlashAttentionOp(), core, concrete_args={"attention_mask": None, "p": 0.1})
+        'FlashAttentionOp_0'
     """
     subs = normalize(sch, subgraph, "replace")
     if not subs:
@@ -288,10 +299,70 @@ def replace_subgraph(
         single_call = len(s.nodes) == 1 and s.output.op == "call_module"
         args = list(s.output.args) if single_call else _chain_inputs(s)
         kwargs = dict(s.output.kwargs) if single_call else {}
-        return substitute(owner, subs, new_module, name, args, kwargs, numbered=True)
-    if len(subs) == 1:  # one match with several branches: the pattern's arguments, in order
-        return substitute(owner, subs, new_module, name, _chain_inputs(subs[0]), numbered=True)
-    return substitute(owner, subs, new_module, name, external_inputs(subs), numbered=True)
+    elif len(subs) == 1:  # one match with several branches: the pattern's arguments, in order
+        args, kwargs = _chain_inputs(subs[0]), {}
+    else:
+        args, kwargs = external_inputs(subs), {}
+    kwargs = bind_concrete_args(owner, new_module, args, kwargs, concrete_args)
+    return substitute(owner, subs, new_module, name, args, kwargs, numbered=True)
+
+
+def bind_concrete_args(
+    owner: Schedule,
+    module: nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    concrete_args: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """``kwargs`` with ``concrete_args`` added, each checked against ``module``'s forward: it must
+    name an argument that the subgraph's ``args``/``kwargs`` do not already supply.
+
+    Example:
+        >>> bind_concrete_args(owner, FlashAttentionOp(), [q, k, v], {}, {"p": 0.1})
+        {'p': 0.1}
+    """
+    if not concrete_args:
+        return kwargs
+    where = f'replace on "{label(owner.path)}"'
+    if not isinstance(concrete_args, dict) or not all(isinstance(k, str) for k in concrete_args):
+        raise PrimitiveError(
+            f"{where}: concrete_args must be a dict from argument names to values, got "
+            f"{concrete_args!r}"
+        )
+    params = _forward_parameters(module)
+    if params is not None:
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = [p.name for p in params.values() if p.kind in by_position]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for key in concrete_args:
+            if key in positional[: len(args)]:
+                raise PrimitiveError(
+                    f"{where}: concrete_args sets {key!r}, but the subgraph already passes it to "
+                    f"{type(module).__name__} (argument {positional.index(key) + 1} of the "
+                    f"{len(args)} it supplies); drop {key!r} from concrete_args"
+                )
+            known = key in params and params[key].kind is not params[key].POSITIONAL_ONLY
+            if not known and not takes_any:
+                raise PrimitiveError(
+                    f"{where}: {type(module).__name__}.forward takes no keyword argument {key!r} "
+                    f"for concrete_args; its arguments are {', '.join(params) or '(none)'}"
+                )
+    clash = sorted(set(kwargs) & set(concrete_args))
+    if clash:
+        raise PrimitiveError(
+            f"{where}: concrete_args sets {clash}, which the subgraph already passes by keyword; "
+            "drop them from concrete_args"
+        )
+    return {**kwargs, **concrete_args}
+
+
+def _forward_parameters(module: nn.Module) -> dict[str, inspect.Parameter] | None:
+    """The parameters of ``module.forward`` (bound: no ``self``); None where they cannot be read
+    (a compiled module), in which case the call itself reports a bad argument."""
+    try:
+        return dict(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
 
 
 def _chain_inputs(sub: Subgraph) -> list[Any]:

@@ -192,8 +192,10 @@ class TracePrimitive(Primitive):
     ``dummy_inputs``. ``tracer``: ``"fx"``/``"pytorch"``, ``"export"``/``"dynamo"``,
     ``"huggingface"`` or ``"auto"`` (both: fx first). Slapo's options are accepted too:
     ``leaf_modules`` (joined to ``leaves``), ``recursive=False`` (direct children stay leaves:
-    only this module's forward is traced), ``concrete_args`` (for fx) and ``config`` (unused: our
-    tracers need no config-made dummy inputs). Dropout keeps following
+    only this module's forward is traced), ``concrete_args`` (fx fixes those arguments; torch.export
+    traces the example call with them set) and ``config`` (sizes the Hugging Face-aware fx
+    tracer's synthesized inputs). With ``tracer="dynamo"``, ``find`` also knows each module call
+    by dynamo's name of it (``self_query`` for ``query``). Dropout keeps following
     ``train()``/``eval()``. ``find``, ``fuse``, partial ``replace``/``checkpoint`` trace by need.
 
     The traced module keeps every parameter, buffer and plain attribute of the original. A graph

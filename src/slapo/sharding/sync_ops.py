@@ -3,7 +3,10 @@ the gradient of its main input, or on the gradients of its own replicated parame
 
 Sharding owns them: importing this module registers the autograd collectives (``all_reduce``,
 ``all_gather``, ``reduce_scatter``, ``scatter``) and every two-letter reshard spec
-(``"RS->SR"``, ...); :func:`register_sync_op` adds more. The ``sync`` primitive
+(``"RS->SR"``, ...); :func:`register_sync_op` adds more. Slapo's sync functions that user code
+calls directly (:func:`all_gather_forward_output`, :func:`scatter_forward_output`,
+:func:`reduce_forward_output`, :func:`reduce_scatter_forward_output`,
+:func:`reduce_backward_grad`) are these collectives under Slapo's names and argument order. The ``sync`` primitive
 (``slapo.primitives.sync``) looks them up here, together with the helpers that find a module's
 main input and output and apply an op to a gradient (:func:`on_grad`, :func:`on_param_grads`).
 
@@ -30,6 +33,11 @@ from .spec import get_shard_spec
 
 __all__ = [
     "SYNC_OPS",
+    "all_gather_forward_output",
+    "reduce_backward_grad",
+    "reduce_forward_output",
+    "reduce_scatter_forward_output",
+    "scatter_forward_output",
     "PARAM_GRAD_OPS",
     "on_named_param_grads",
     "SyncOp",
@@ -244,6 +252,73 @@ def sync_group(group: Any, mod: nn.Module, where: str) -> Any:
                 f"(size {spec.world}); schedule both with the same group"
             )
     return resolved
+
+
+# ----- Slapo's sync functions, called directly in user code (a module's forward or a hook) -----
+def _check_dim(fn: str, dim: Any) -> int:
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise SlapoError(
+            f"{fn}: dim must be an int (the axis to gather or split), got {type(dim).__name__}; "
+            f"the arguments are {fn}(tensor, dim, group)"
+        )
+    return dim
+
+
+def all_gather_forward_output(
+    inp: torch.Tensor, dim: int, group: Any = None, tensor_parallel_output_grad: bool = True
+) -> torch.Tensor:
+    """All-gather ``inp`` along ``dim`` over ``group`` in forward.
+
+    Backward: with ``tensor_parallel_output_grad`` (default) the consumers of the gathered value
+    are tensor-parallel and each rank holds a partial gradient, so the gradient is
+    reduce-scattered; with False the gradient is replicated and each rank keeps its own slice.
+
+    Example (in a 2-rank job):
+        >>> y = all_gather_forward_output(torch.ones(2, 3), 0, group)  # shape (4, 3)
+    """
+    dim = _check_dim("all_gather_forward_output", dim)
+    bwd = "reduce_scatter" if tensor_parallel_output_grad else "split"
+    return all_gather(inp, group=group, dim=dim, bwd=bwd)
+
+
+def scatter_forward_output(inp: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+    """Keep this rank's slice of a replicated ``inp`` along ``dim``; backward all-gathers.
+
+    Example (in a 2-rank job):
+        >>> y = scatter_forward_output(torch.arange(4.0), 0, group)  # rank 1: tensor([2., 3.])
+    """
+    return scatter(inp, group=group, dim=_check_dim("scatter_forward_output", dim))
+
+
+def reduce_forward_output(inp: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """All-reduce (sum) ``inp`` over ``group`` in forward; the gradient passes unchanged.
+
+    Example (in a 2-rank job):
+        >>> y = reduce_forward_output(torch.ones(2), group)  # tensor([2., 2.])
+    """
+    return all_reduce(inp, group=group)
+
+
+def reduce_scatter_forward_output(inp: torch.Tensor, dim: int, group: Any = None) -> torch.Tensor:
+    """Sum ``inp`` over ``group`` and keep this rank's slice along ``dim``; backward all-gathers.
+
+    Example (in a 2-rank job):
+        >>> y = reduce_scatter_forward_output(torch.ones(4, 3), 0, group)  # (2, 3), all 2.0
+    """
+    return reduce_scatter(inp, group=group, dim=_check_dim("reduce_scatter_forward_output", dim))
+
+
+def reduce_backward_grad(inp: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``inp`` unchanged in forward; its gradient is all-reduced (summed) over ``group``.
+
+    Put it in front of tensor-parallel consumers of a replicated value: each rank's gradient
+    is a partial sum.
+
+    Example (in a 2-rank job):
+        >>> x = reduce_backward_grad(hidden, group)  # then a column-parallel linear
+    """
+    group = resolve_group(group, "reduce_backward_grad")
+    return on_grad(inp, lambda grad: all_reduce(grad, group=group))
 
 
 def _register_builtins() -> None:

@@ -30,7 +30,8 @@ One file per job: ``capture`` (example inputs of a submodule), ``export`` (the t
 path), ``guard`` (the check of each call of an exported graph), ``retrace`` (tracing again for
 another signature), ``effects`` (what a graph cannot
 replay), ``keep`` (state and attributes kept), ``fx`` (the symbolic-trace path), ``rewrite``
-(mode-aware dropout), ``inline`` (flattening), ``hooks`` (hooks across inlining), ``leaves`` and
+(mode-aware dropout), ``inline`` (flattening), ``hooks`` (hooks across inlining), ``names`` (dynamo's names of module
+calls, for ``tracer="dynamo"``), ``leaves`` and
 ``errors`` (shared by both paths), ``api`` (the entry points). The
 ``trace`` primitive, which binds a schedule, lives in ``slapo.primitives.trace``.
 
@@ -49,6 +50,7 @@ from .export import export_module, is_cache
 from .fx import fx_trace
 from .inline import inline_submodules
 from .leaves import Leaves, check_leaves, is_leaf
+from .names import dynamo_name, mark_dynamo_names
 from .rewrite import ModeDropout, TrainingOnly, make_mode_aware
 
 __all__ = [
@@ -63,12 +65,14 @@ __all__ = [
     "call_args",
     "capture_inputs",
     "check_leaves",
+    "dynamo_name",
     "export_module",
     "fx_trace",
     "inline_submodules",
     "is_cache",
     "is_leaf",
     "make_mode_aware",
+    "mark_dynamo_names",
     "trace",
     "trace_module",
 ]

@@ -13,13 +13,14 @@ from torch import fx, nn
 
 from ..logger import get_logger
 from ..surgery import label
-from .capture import call_args
+from .capture import call_args, with_concrete_args
 from .errors import TraceError
 from .export import export_module
 from .fx import fx_trace
 from .inline import inline_submodules
 from .keep import keep_attributes, keep_state
 from .leaves import Leaves, check_leaves
+from .names import mark_dynamo_names
 from .retrace import install_retrace
 from .rewrite import make_mode_aware
 
@@ -29,7 +30,9 @@ __all__ = ["TRACERS", "resolve_tracer", "trace", "trace_module"]
 # Tracer names: Slapo's own ("pytorch", "huggingface", "dynamo") beside torch's ("fx", "export").
 # None (the default) and "auto" choose by need. "fx" is plain symbolic tracing, then the Hugging
 # Face-aware fx tracer (hf_fx.py: transformers blocks, no inputs needed) where plain fx fails;
-# "huggingface" ("hf") is that too, then torch.export where both fail.
+# "huggingface" ("hf") is that too, then torch.export where both fail. "dynamo" is torch.export
+# (dynamo's successor: today's dynamo inlines module calls, so no module would stay a call),
+# and its graphs' module calls also answer to dynamo's names (names.py: "self_query").
 TRACERS: dict[str, str] = {
     "auto": "auto",
     "fx": "fx",
@@ -89,11 +92,15 @@ def trace_module(
             ``"fx"``/``"pytorch"`` (symbolic tracing, then the Hugging Face-aware fx tracer of
             :mod:`slapo.tracing.hf_fx`, which traces transformers blocks without inputs),
             ``"huggingface"`` (both fx tracers, then torch.export), ``"export"``/``"dynamo"``
-            (torch.export).
+            (torch.export; with ``"dynamo"``, a module call also matches a ``find`` regex by
+            dynamo's name of it, ``self_query`` for ``query``: see :mod:`slapo.tracing.names`).
         concrete_args: passed to fx symbolic tracing; the Hugging Face-aware tracer fixes the
             named arguments to them (a tensor there is an input traced with its shape) and
-            ``**kwargs`` entries too. Where fx fails, torch.export traces without them (it
-            fixes every non-tensor input to the captured value anyway).
+            ``**kwargs`` entries too. torch.export (``tracer="export"``/``"dynamo"``) traces the
+            example call with those arguments set to them (``**kwargs`` entries too; a value
+            ``inspect.Parameter.empty`` leaves the argument as captured); where fx fails under
+            another tracer, torch.export traces without them (it fixes every non-tensor input to
+            the captured value anyway).
         recursive: ``False`` keeps every direct child a leaf: only this module's own forward
             is traced (so ``flatten`` has nothing to inline). Slapo's option of that name.
         leaf_modules: Slapo's name for ``leaves``; the two lists are joined.
@@ -120,8 +127,6 @@ def trace_module(
     """
     mod = model  # the reference API names the argument ``model``: trace_module(model=...)
     method = resolve_tracer(tracer, example_inputs, path)
-    if concrete_args is not None and method == "export":
-        raise TraceError("concrete_args only applies to tracer='fx', 'huggingface' or 'auto'")
     check_leaves(mod, leaves, path)
     if leaf_modules is not None:
         check_leaves(mod, leaf_modules, path)
@@ -141,6 +146,8 @@ def trace_module(
         return _trace_once(orig, method, inputs, leaves, flatten, concrete, path, None, config)[0]
 
     install_retrace(gm, mod, used, again, concrete_args, path)
+    if isinstance(tracer, str) and tracer.lower() == "dynamo":
+        mark_dynamo_names(gm)
     return gm
 
 
@@ -207,7 +214,7 @@ def _capture(
     if method == "export":
         if example_inputs is None:
             example_inputs = _find_inputs(mod, path, infer_inputs)
-        args, kwargs = call_args(example_inputs)
+        args, kwargs = with_concrete_args(mod, *call_args(example_inputs), concrete_args, path)
         return "export", export_module(mod, args, kwargs, leaves, path), ""
     if method == "plain-fx":
         return "fx", fx_trace(mod, leaves, flatten, concrete_args, path), ""

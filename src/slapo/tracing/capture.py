@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..surgery import label
 from .errors import TraceError
 
-__all__ = ["as_args", "call_args", "capture_inputs"]
+__all__ = ["as_args", "call_args", "capture_inputs", "with_concrete_args"]
 
 
 class _Captured(Exception):
@@ -80,3 +82,63 @@ def capture_inputs(
             "inputs; pass example_inputs= for this module"
         )
     return seen["args"], seen["kwargs"]
+
+
+def with_concrete_args(
+    mod: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    concrete_args: dict[str, Any] | None,
+    path: str = "",
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call ``(args, kwargs)`` of ``mod`` with the arguments ``concrete_args`` names fixed
+    to its values: what torch.export traces for ``trace(tracer="dynamo", concrete_args=...)``.
+
+    A name ``mod.forward`` does not declare goes into its ``**kwargs``. An entry whose value is
+    ``inspect.Parameter.empty`` (Slapo code builds ``concrete_args`` from the signature's
+    defaults, ``**kwargs`` and required arguments included) leaves that argument as captured.
+
+    Example:
+        >>> class Masked(nn.Module):
+        ...     def forward(self, x, mask=None, **kwargs):
+        ...         return x if mask is None else x * mask
+        >>> with_concrete_args(Masked(), (1, 2), {}, {"mask": None, "kwargs": inspect._empty})
+        ((1,), {'mask': None})
+        >>> with_concrete_args(Masked(), (1,), {"mask": 2}, {"mask": None})
+        ((1,), {'mask': None})
+        >>> with_concrete_args(Masked(), (1,), {}, {"use_cache": False})
+        ((1,), {'use_cache': False})
+    """
+    fixed = {k: v for k, v in (concrete_args or {}).items() if v is not inspect.Parameter.empty}
+    if not fixed:
+        return args, kwargs
+    where = f'trace of "{label(path)}" ({type(mod).__name__})'
+    sig = inspect.signature(mod.forward)
+    params = sig.parameters
+    # The call keeps its structure otherwise: the graph takes calls made as this one is.
+    positional = [
+        n for n, p in params.items() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    has_varkw = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    args, kwargs = list(args), dict(kwargs)
+    # Fixed ones at the end of the positional arguments are passed by name instead: the graph
+    # then also takes calls that leave them out (or pass them by name).
+    while 0 < len(args) <= len(positional):
+        last = params[positional[len(args) - 1]]
+        if last.name not in fixed or last.kind == last.POSITIONAL_ONLY:
+            break
+        kwargs[last.name] = args.pop()
+    for name, value in fixed.items():
+        param = params.get(name)
+        if name in positional and positional.index(name) < len(args):
+            args[positional.index(name)] = value
+        elif (param is None and has_varkw) or (
+            param is not None and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+        ):
+            kwargs[name] = value
+        else:
+            raise TraceError(
+                f"{where}: concrete_args names {name!r}, but forward{sig} takes no named "
+                f"argument {name!r}; fix only its named arguments (or drop the entry)"
+            )
+    return tuple(args), kwargs
