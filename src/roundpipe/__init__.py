@@ -30,15 +30,16 @@ from .devices.device import DeviceMemoryError, get_devices, get_num_devices, ini
 from .devices.threads import RoundPipeTimeoutError
 from .optim.adam import Adam, RoundPipeOptimizer
 from .optim.grad_scaler import GradScaler
-from .runtime.batch import RoundPipePackedData
+from .runtime.batch import MicrobatchMergeError, RoundPipePackedData
 from .runtime.context import (
     OptimizerCtx,
+    RecomputeDataError,
     doing_optimizer,
     doing_recompute,
     get_recompute_data,
     save_for_recompute,
 )
-from .runtime.plan import ModelExecutePlan
+from .runtime.plan import InvalidPlanError, ModelExecutePlan
 from .runtime.run_config import RoundPipeRunConfig
 from .seed_paths import register_seed_paths
 from .wrapping.model import AutoRoundPipe, RoundPipe, RoundPipeBase
@@ -51,8 +52,11 @@ __all__ = [
     "AutoRoundPipe",
     "DeviceMemoryError",
     "GradScaler",
+    "InvalidPlanError",
+    "MicrobatchMergeError",
     "ModelExecutePlan",
     "OptimizerCtx",
+    "RecomputeDataError",
     "RoundPipe",
     "RoundPipeBase",
     "RoundPipeOptimizer",

@@ -200,6 +200,7 @@ def test_grad_scaler_matches_torch(two_devices):
         ref_opt.zero_grad()
         ref_scaler.update()
         model.synchronize()
-        assert scaler.get_scale() == ref_scaler.get_scale(), f"scale at step {i}"
+        # up_to_date: the update's result (plain get_scale() still reports this step's scale)
+        assert scaler.get_scale(up_to_date=True) == ref_scaler.get_scale(), f"scale at step {i}"
     for p, q in zip(net.parameters(), ref.parameters()):
         assert_close(p, q, "params with grad scaling")

@@ -1,9 +1,20 @@
 """Loss scaling for mixed precision that works with RoundPipe's asynchronous step.
 
-The main thread scales losses while the optimizer thread may still be unscaling the
-previous step's gradients. So the scale used for the losses of an iteration is captured
-when ``model.step`` is launched and handed to the optimizer thread; updates computed there
-are published back to the main thread for later iterations.
+The main thread (and the device workers running ``loss_fn``) scale losses while the optimizer
+thread may still be unscaling the previous step's gradients and computing the next scale. What
+the caller sees follows program order, never the timing of that thread:
+
+* a step's losses are scaled with the scale the previous ``update()`` computed (as
+  ``torch.amp.GradScaler``): the first ``scale()`` after an ``update()`` waits for it if the
+  optimizer thread has not finished it yet;
+* ``get_scale()`` reports the scale of the step in progress, i.e. after ``update()`` still the
+  one that step's losses were multiplied by, so ``loss.item() / scaler.get_scale()`` is the true
+  loss wherever the user guide reads it (before ``model.step`` or after ``scaler.update()``). The
+  step's scale is replaced by the new one at the next ``scale()``, at ``update(is_async=False)``
+  and at ``get_scale(up_to_date=True)`` (these wait for the pending update).
+
+The scale a step's losses used is handed to the optimizer thread with ``model.step`` (it
+unscales with it); the factors set on the main thread are mirrored there in launch order.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..devices.threads import AnnotatedEvent
+from ..devices.threads import AnnotatedEvent, wait_until
 from .stream import (
     launch_optim_kernel,
     on_optim_stream,
@@ -29,13 +40,19 @@ _live: weakref.WeakSet = weakref.WeakSet()
 
 
 def snapshot_scalers() -> Callable[[], None]:
-    """Capture the main-thread scale of every live scaler; the returned callable installs
-    it as the unscale factor on the optimizer thread (called by ``RoundPipeBase.step``)."""
-    snaps = [(s, s._main_used_scale) for s in list(_live)]
+    """Capture, for every live scaler, the scale the losses of the step being launched were
+    multiplied by; the returned callable installs it as the unscale factor on the optimizer
+    thread and starts the step's overflow bookkeeping (called by ``RoundPipeBase.step``).
+
+    A scaler with an update not yet adopted (no ``scale()`` since ``update()``) keeps the
+    optimizer thread's scale: by the time the step runs there, that update has set it.
+    """
+    snaps = [(s, s._step_scale()) for s in list(_live)]
 
     def restore() -> None:
         for s, v in snaps:
-            s._optim_scale = v
+            if v is not None:
+                s._optim_scale = v
             s._unscaled.clear()
             s._found_inf = False
 
@@ -45,8 +62,10 @@ def snapshot_scalers() -> Callable[[], None]:
 class GradScaler:
     """Gradient scaler API-compatible with ``torch.amp.GradScaler``, safe across threads.
 
-    Use ``scale`` on the main thread, ``step`` inside the function given to
-    ``model.step``, and ``update`` from the main thread after ``model.step``.
+    Use ``scale`` in ``loss_fn`` (or on the main thread), ``step`` inside the function given to
+    ``model.step``, and ``update`` from the main thread after ``model.step``. Every value read
+    on the main thread is a function of the calls made before it (see the module docstring):
+    ``get_scale()`` right after ``update()`` is the scale the step's losses were multiplied by.
 
     Example:
         >>> scaler = GradScaler(init_scale=2.0 ** 8)
@@ -64,19 +83,26 @@ class GradScaler:
     ) -> None:
         if init_scale <= 0:
             raise ValueError(f"init_scale must be positive, got {init_scale}")
-        if growth_factor <= 1.0:
-            raise ValueError(f"growth_factor must be > 1.0, got {growth_factor}")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        _check_growth_factor(growth_factor)
+        _check_backoff_factor(backoff_factor)
+        _check_growth_interval(growth_interval)
         self.enabled = enabled
-        self._growth_factor = growth_factor
-        self._backoff_factor = backoff_factor
+        # optimizer thread's copies (set there in launch order)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
-        self._lock = threading.Lock()
-        self.next_scale = torch.tensor(float(init_scale))  # published to the main thread
-        self._main_used_scale = float(init_scale)  # main thread: scale applied to outputs
+        # main thread's view of them: what the caller set last, in program order
+        self._factors = {
+            "_growth_factor": float(growth_factor),
+            "_backoff_factor": float(backoff_factor),
+            "_growth_interval": growth_interval,
+        }
+        self._cond = threading.Condition()
+        self.next_scale = torch.tensor(float(init_scale))  # the latest update's result
+        self._current = float(init_scale)  # main: the scale of the step in progress
+        self._launched = 0  # update() calls made (main thread)
+        self._done = 0  # of which the optimizer thread finished (next_scale is the last's)
+        self._adopted = 0  # updates _current already reflects
         self._optim_scale = float(init_scale)  # optimizer thread: scale to unscale with
         self._growth_tracker = 0
         self._found_inf = False
@@ -85,23 +111,37 @@ class GradScaler:
         _live.add(self)
 
     # -- main thread -------------------------------------------------------------------------
+    def _adopt(self) -> None:
+        """Make the latest ``update()``'s scale the current one, waiting for it if needed."""
+        with self._cond:
+            target = self._launched
+            if self._adopted >= target:
+                return
+        wait_until(lambda: self._done >= target, "the GradScaler's pending update()", self._cond)
+        with self._cond:
+            if self._adopted < self._done:
+                self._current = float(self.next_scale)
+                self._adopted = self._done
+
+    def _step_scale(self) -> float | None:
+        """The current step's scale, or None when an update is pending (not adopted)."""
+        with self._cond:
+            return self._current if self._adopted >= self._launched else None
+
     def scale(self, outputs: torch.Tensor | Iterable[torch.Tensor]) -> Any:
-        """Multiply outputs by the current scale (no-op when disabled)."""
+        """Multiply outputs by the step's scale (no-op when disabled).
+
+        The first call after an ``update()`` waits until that update's scale is known.
+        """
         if not self.enabled:
             return outputs
         if on_optim_stream():
             s = self._optim_scale
         else:
-            with self._lock:
-                s = float(self.next_scale)
-            self._main_used_scale = s
-        if isinstance(outputs, torch.Tensor):
-            return outputs * s
-        if isinstance(outputs, (list, tuple)):
-            return type(outputs)(self.scale(o) for o in outputs)
-        raise TypeError(
-            f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}"
-        )
+            self._adopt()
+            with self._cond:
+                s = self._current
+        return _multiply(outputs, s)
 
     def update(self, new_scale: float | torch.Tensor | None = None, is_async: bool = True) -> None:
         """Update the scale after a step, from the main thread.
@@ -109,15 +149,21 @@ class GradScaler:
         The update is queued on the optimizer thread behind the step it follows: a skipped
         (overflowing) step multiplies the scale by ``backoff_factor``, ``growth_interval``
         unskipped steps in a row multiply it by ``growth_factor``; ``new_scale`` sets it
-        instead. ``is_async=True`` returns at once (the next iteration may still scale with the
-        previous value, as ``model.step``'s asynchronous mode does with parameters);
-        ``is_async=False`` returns once the new scale is in place (``get_scale()`` shows it).
+        instead. The next step's ``scale()`` uses the result (waiting for it if needed).
+
+        ``is_async=True`` returns at once; ``get_scale()`` keeps reporting the finished step's
+        scale until the next step scales a loss (``loss.item() / scaler.get_scale()`` is that
+        step's true loss). ``is_async=False`` returns once the new scale is in place and makes
+        it the current one (``get_scale()`` shows it, as ``torch.amp.GradScaler``'s does).
 
         Example:
             >>> scaler = GradScaler(init_scale=2.0 ** 8)
-            >>> scaler.update(new_scale=2.0 ** 10, is_async=False)
+            >>> scaler.update(new_scale=2.0 ** 10)
+            >>> scaler.get_scale(), scaler.get_scale(up_to_date=True)
+            (256.0, 1024.0)
+            >>> scaler.update(new_scale=2.0 ** 12, is_async=False)
             >>> scaler.get_scale()
-            1024.0
+            4096.0
         """
         if not isinstance(is_async, bool):
             raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
@@ -127,10 +173,19 @@ class GradScaler:
             isinstance(new_scale, bool) or not isinstance(new_scale, (float, int, torch.Tensor))
         ):
             raise TypeError(f"new_scale must be a float or tensor, got {type(new_scale).__name__}")
-        self.scaler_updated.clear()
+        if on_optim_stream():
+            raise RuntimeError(
+                "GradScaler.update() must be called from the main thread, after model.step(...) "
+                "returned, not inside the step function (which runs on the optimizer thread)"
+            )
+        if isinstance(new_scale, torch.Tensor):
+            new_scale = float(new_scale)  # later in-place changes must not reach the scaler
+        with self._cond:
+            self._launched += 1
+            self.scaler_updated.clear()
         launch_optim_kernel(self.update_kernel, new_scale)
-        if not is_async and not on_optim_stream():  # on the optimizer thread it ran inline
-            self.scaler_updated.wait_checked()
+        if not is_async:
+            self._adopt()
             raise_pending_error()
 
     # -- optimizer thread --------------------------------------------------------------------
@@ -187,60 +242,96 @@ class GradScaler:
                     scale *= self._growth_factor
                     self._growth_tracker = 0
             self._optim_scale = scale
-            with self._lock:
+            with self._cond:
                 self.next_scale = torch.tensor(scale)
             self._unscaled.clear()
             self._found_inf = False
         finally:
-            self.scaler_updated.set()
+            with self._cond:
+                self._done += 1
+                if self._done >= self._launched:
+                    self.scaler_updated.set()
+                self._cond.notify_all()
 
     # -- accessors -----------------------------------------------------------------------------
-    def get_scale(self) -> float:
-        """Current scale (the optimizer thread sees the one it unscales with)."""
+    def get_scale(self, up_to_date: bool = False) -> float:
+        """The scale of the step in progress (1.0 when disabled).
+
+        On the main thread: the scale this step's losses were (or will be) multiplied by;
+        right after ``update()`` still the finished step's, so ``loss.item() / get_scale()`` is
+        its true loss. ``up_to_date=True`` waits for a pending ``update()`` and returns (and
+        makes current) its result, the scale the next step uses. On the optimizer thread: the
+        scale it unscales the step's gradients with.
+
+        Example:
+            >>> scaler = GradScaler(init_scale=8.0, growth_interval=1)
+            >>> loss = scaler.scale(torch.tensor(0.5))     # this step: scale 8
+            >>> scaler.update()                             # clean step: the next one grows
+            >>> loss.item() / scaler.get_scale()
+            0.5
+            >>> scaler.get_scale(up_to_date=True)
+            16.0
+        """
         if not self.enabled:
             return 1.0
         if on_optim_stream():
             return self._optim_scale
-        with self._lock:
-            return float(self.next_scale)
+        if up_to_date:
+            self._adopt()
+            raise_pending_error()
+        with self._cond:
+            return self._current
 
-    def _sync(self, up_to_date: bool) -> None:
-        if up_to_date and not on_optim_stream():
+    def _get_factor(self, name: str, up_to_date: bool) -> Any:
+        if on_optim_stream():
+            return getattr(self, name)
+        if up_to_date:
             synchronize_optim()
+        with self._cond:
+            return self._factors[name]
+
+    def _set_factor(self, name: str, value: Any) -> None:
+        with self._cond:
+            self._factors[name] = value
+        launch_optim_kernel(setattr, self, name, value)  # in launch order with the steps
 
     def get_growth_factor(self, up_to_date: bool = False) -> float:
-        """Scale growth factor (``up_to_date`` waits for the optimizer thread)."""
-        self._sync(up_to_date)
-        return self._growth_factor
+        """Scale growth factor: on the main thread the last one set (``up_to_date`` also waits
+        for the optimizer thread to use it)."""
+        return self._get_factor("_growth_factor", up_to_date)
 
     def set_growth_factor(self, new_factor: float) -> None:
-        """Set the scale growth factor."""
-        launch_optim_kernel(setattr, self, "_growth_factor", float(new_factor))
+        """Set the scale growth factor (from the next ``update()`` on)."""
+        _check_growth_factor(new_factor)
+        self._set_factor("_growth_factor", float(new_factor))
 
     def get_backoff_factor(self, up_to_date: bool = False) -> float:
-        """Scale backoff factor (``up_to_date`` waits for the optimizer thread)."""
-        self._sync(up_to_date)
-        return self._backoff_factor
+        """Scale backoff factor: on the main thread the last one set (``up_to_date`` also waits
+        for the optimizer thread to use it)."""
+        return self._get_factor("_backoff_factor", up_to_date)
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        """Set the scale backoff factor."""
-        launch_optim_kernel(setattr, self, "_backoff_factor", float(new_factor))
+        """Set the scale backoff factor (from the next ``update()`` on)."""
+        _check_backoff_factor(new_factor)
+        self._set_factor("_backoff_factor", float(new_factor))
 
     def get_growth_interval(self, up_to_date: bool = False) -> int:
-        """Growth interval (``up_to_date`` waits for the optimizer thread)."""
-        self._sync(up_to_date)
-        return self._growth_interval
+        """Growth interval: on the main thread the last one set (``up_to_date`` also waits for
+        the optimizer thread to use it)."""
+        return self._get_factor("_growth_interval", up_to_date)
 
     def set_growth_interval(self, new_interval: int) -> None:
-        """Set the growth interval."""
-        launch_optim_kernel(setattr, self, "_growth_interval", int(new_interval))
+        """Set the growth interval (from the next ``update()`` on)."""
+        _check_growth_interval(new_interval)
+        self._set_factor("_growth_interval", new_interval)
 
     def is_enabled(self) -> bool:
         """Whether scaling is enabled."""
         return self.enabled
 
     def state_dict(self) -> dict[str, Any]:
-        """State in ``torch.amp.GradScaler``'s format."""
+        """State in ``torch.amp.GradScaler``'s format, after every launched step and update
+        (``"scale"`` is the one the next step uses)."""
         if not self.enabled:
             return {}
         synchronize_optim()
@@ -253,12 +344,46 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state produced by :meth:`state_dict` or ``torch.amp.GradScaler``."""
+        """Load a state produced by :meth:`state_dict` or ``torch.amp.GradScaler``; its scale
+        becomes the current one."""
         synchronize_optim()
-        self._optim_scale = float(state_dict["scale"])
-        self._main_used_scale = self._optim_scale
-        self.next_scale = torch.tensor(self._optim_scale)
+        scale = float(state_dict["scale"])
+        self._optim_scale = scale
         self._growth_factor = float(state_dict["growth_factor"])
         self._backoff_factor = float(state_dict["backoff_factor"])
         self._growth_interval = int(state_dict["growth_interval"])
         self._growth_tracker = int(state_dict["_growth_tracker"])
+        with self._cond:
+            self.next_scale = torch.tensor(scale)
+            self._current = scale
+            self._adopted = self._done = self._launched
+            self._factors = {
+                "_growth_factor": self._growth_factor,
+                "_backoff_factor": self._backoff_factor,
+                "_growth_interval": self._growth_interval,
+            }
+
+
+def _multiply(outputs: torch.Tensor | Iterable[torch.Tensor], s: float) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs * s
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_multiply(o, s) for o in outputs)
+    raise TypeError(
+        f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}"
+    )
+
+
+def _check_growth_factor(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0:
+        raise ValueError(f"growth_factor must be a number > 1.0, got {value!r}")
+
+
+def _check_backoff_factor(value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
+        raise ValueError(f"backoff_factor must be a number in (0, 1), got {value!r}")
+
+
+def _check_growth_interval(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"growth_interval must be a positive int, got {value!r}")

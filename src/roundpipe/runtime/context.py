@@ -14,6 +14,7 @@ __all__ = [
     "ForwardCtx",
     "OptimizerCtx",
     "RecomputeCtx",
+    "RecomputeDataError",
     "doing_optimizer",
     "doing_recompute",
     "flags",
@@ -101,18 +102,41 @@ def doing_recompute() -> bool:
     return bool(_stack("recompute"))
 
 
+class RecomputeDataError(AssertionError, RuntimeError):
+    """:func:`get_recompute_data` called where there is nothing to get.
+
+    An ``AssertionError``, as the user guide documents, and a ``RuntimeError``, as this
+    package documented it before: ``except`` clauses written for either keep working.
+    """
+
+
 def get_recompute_data() -> tuple:
-    """Data the layer saved with :func:`save_for_recompute`, always as a tuple.
+    """Data the layer saved with :func:`save_for_recompute` in forward, always as a tuple.
 
     Raises:
-        RuntimeError: if called outside a recompute scope.
+        RecomputeDataError: (an ``AssertionError`` and a ``RuntimeError``) if called outside a
+            recompute (check :func:`doing_recompute` first), or if the layer's forward saved
+            nothing.
+
+    Example:
+        >>> try:
+        ...     get_recompute_data()
+        ... except AssertionError as err:
+        ...     print(type(err).__name__, isinstance(err, RuntimeError))
+        RecomputeDataError True
     """
     stack = _stack("recompute")
     if not stack:
-        raise RuntimeError("get_recompute_data() called outside a RoundPipe recompute")
+        raise RecomputeDataError(
+            "get_recompute_data() called outside a RoundPipe recompute; call it only when "
+            "doing_recompute() is True"
+        )
     data = stack[-1].recompute_data
     if data is None:
-        raise RuntimeError("this layer saved nothing with save_for_recompute() in forward")
+        raise RecomputeDataError(
+            "get_recompute_data(): this layer saved nothing with save_for_recompute() in its "
+            "forward; call save_for_recompute(...) there whenever doing_recompute() is False"
+        )
     return tuple(data)
 
 

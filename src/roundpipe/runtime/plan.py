@@ -16,7 +16,13 @@ if TYPE_CHECKING:
     from ..wrapping.attribute import LayerAttribute
     from .timer import ModelTimer
 
-__all__ = ["ModelExecutePlan", "ModelTracker", "PipelineModel", "partition_layers"]
+__all__ = [
+    "InvalidPlanError",
+    "ModelExecutePlan",
+    "ModelTracker",
+    "PipelineModel",
+    "partition_layers",
+]
 
 
 class PipelineModel(Protocol):
@@ -377,17 +383,26 @@ def _weigh_transfers(
     return best
 
 
+class InvalidPlanError(ValueError):
+    """An execution plan that does not fit the model it runs (see
+    :meth:`ModelExecutePlan.check_valid`)."""
+
+
 class ModelExecutePlan:
     """Forward and backward stage layouts of a RoundPipe model.
 
     ``fwd_plan`` lists layer ranges in forward execution order; ``bwd_plan`` lists them in
-    backward execution order (last layers first; each range ascending). For ``"fused"``
-    runs the last forward stage is also the first backward stage.
+    backward execution order (last layers first; each range ascending). In a ``"fused"`` run
+    (``forward_backward``) the first backward stage also runs its layers' forward: ``fwd_plan``
+    either stops right before it (the user guide's spelling) or ends with it (what :meth:`auto`
+    returns); see :meth:`check_valid`.
 
     Example:
         >>> plan = ModelExecutePlan()
-        >>> plan.fwd_plan = [range(0, 2), range(2, 4)]
+        >>> plan.fwd_plan = [range(0, 2)]                   # the guide's spelling
         >>> plan.bwd_plan = [range(2, 4), range(0, 2)]
+        >>> plan.check_valid(4, "fused")
+        >>> plan.fwd_plan = [range(0, 2), range(2, 4)]      # auto()'s spelling
         >>> plan.check_valid(4, "fused")
     """
 
@@ -543,40 +558,123 @@ class ModelExecutePlan:
         return plans
 
     def check_valid(self, num_layers: int, run_type: RunType) -> None:
-        """Raise ``ValueError`` unless the plans cover every layer exactly once, in order."""
+        """Raise :class:`InvalidPlanError` (a ``ValueError``) unless the plan fits the model.
+
+        Both layouts cover every layer exactly once, ``fwd_plan`` shallow to deep and
+        ``bwd_plan`` deep to shallow. For ``"fused"`` (``forward_backward``) the first backward
+        stage also runs its layers' forward, and two spellings are accepted:
+
+        * the user guide's: ``fwd_plan`` stops right before that stage (its last layer + 1 is
+          ``bwd_plan[0].start``; ``fwd_plan`` is empty when the fused stage is the whole model);
+        * the one :meth:`auto` returns: ``fwd_plan`` covers every layer and ends with
+          ``bwd_plan[0]``.
+
+        ``"infer"`` and ``"train"`` (``forward()``) need a ``fwd_plan`` over every layer.
+
+        Example:
+            >>> plan = ModelExecutePlan()
+            >>> plan.fwd_plan = [range(0, 3)]            # forward stops before the fused stage
+            >>> plan.bwd_plan = [range(3, 4), range(2, 3), range(1, 2), range(0, 1)]
+            >>> plan.check_valid(4, "fused")
+            >>> try:
+            ...     plan.check_valid(4, "train")
+            ... except InvalidPlanError as err:
+            ...     print(str(err).split(";")[0])
+            fwd_plan covers layers 0..2 but the model has 4 layers (0..3)
+        """
         _check_run_type(run_type)
-
-        def check(plan: list[range], name: str, reverse: bool) -> None:
-            if not isinstance(plan, list) or not plan:
-                raise ValueError(f"{name} must be a non-empty list of ranges, got {plan!r}")
-            for r in plan:
-                if not isinstance(r, range) or r.step != 1 or len(r) == 0:
-                    raise ValueError(
-                        f"{name} entries must be non-empty ranges with step 1, got {r!r}"
-                    )
-            ordered = plan[::-1] if reverse else plan
-            pos = 0
-            for r in ordered:
-                if r.start != pos:
-                    raise ValueError(
-                        f"{name} does not cover layers contiguously: expected a stage "
-                        f"starting at layer {pos}, got {r!r}"
-                    )
-                pos = r.stop
-            if pos != num_layers:
-                raise ValueError(
-                    f"{name} covers layers 0..{pos - 1} but the model has {num_layers}"
-                )
-
-        check(self.fwd_plan, "fwd_plan", reverse=False)
-        if run_type == "infer":
-            return
-        check(self.bwd_plan, "bwd_plan", reverse=True)
-        if run_type == "fused" and self.fwd_plan[-1] != self.bwd_plan[0]:
-            raise ValueError(
-                "for fused forward-backward the last fwd_plan stage must equal the "
-                f"first bwd_plan stage, got {self.fwd_plan[-1]!r} and {self.bwd_plan[0]!r}"
+        if not isinstance(num_layers, int) or num_layers < 1:
+            raise InvalidPlanError(f"num_layers must be a positive int, got {num_layers!r}")
+        fused = run_type == "fused"
+        _check_ranges(self.fwd_plan, "fwd_plan", allow_empty=fused)
+        if run_type != "infer":
+            _check_ranges(self.bwd_plan, "bwd_plan", allow_empty=False)
+            _check_cover(self.bwd_plan[::-1], "bwd_plan", num_layers, "deep to shallow")
+        if not fused:
+            _check_cover(
+                self.fwd_plan,
+                "fwd_plan",
+                num_layers,
+                "shallow to deep",
+                f"; for run_type {run_type!r} ({_CALLS[run_type]}) fwd_plan must cover every "
+                "layer. A plan whose fwd_plan stops before the first bwd_plan stage is for "
+                "forward_backward() only",
             )
+            return
+        head = self.bwd_plan[0]
+        if self.fwd_plan and self.fwd_plan[-1] == head:  # auto()'s spelling
+            _check_cover(self.fwd_plan, "fwd_plan", num_layers, "shallow to deep")
+            return
+        end = self.fwd_plan[-1].stop if self.fwd_plan else 0
+        if end != head.start:
+            raise InvalidPlanError(
+                "for forward_backward() (run_type 'fused') the last fwd_plan layer + 1 must equal "
+                f"the first layer of bwd_plan[0]: fwd_plan ends at layer {end - 1} but bwd_plan[0] "
+                f"is {head!r}. Stop fwd_plan at layer {head.start - 1} (the fused stage {head!r} "
+                f"runs its own forward), or end fwd_plan with the stage {head!r} itself"
+            )
+        _check_cover(self.fwd_plan, "fwd_plan", head.start, "shallow to deep")
+
+    def fused_layout(self) -> ModelExecutePlan:
+        """This (valid) plan with the fused stage closing ``fwd_plan``: the layout the runtime
+        executes a ``forward_backward`` with. A plan in the user guide's spelling (``fwd_plan``
+        stopping before ``bwd_plan[0]``) gets ``bwd_plan[0]`` appended, as a new plan; any other
+        plan is returned as is.
+
+        Example:
+            >>> plan = ModelExecutePlan()
+            >>> plan.fwd_plan = [range(0, 3)]
+            >>> plan.bwd_plan = [range(3, 4), range(0, 3)]
+            >>> plan.fused_layout()
+            ModelExecutePlan(fwd=[0-2, 3-3], bwd=[3-3, 0-2])
+        """
+        if not self.bwd_plan:
+            return self
+        head = self.bwd_plan[0]
+        end = self.fwd_plan[-1].stop if self.fwd_plan else 0
+        if end != head.start or (self.fwd_plan and self.fwd_plan[-1] == head):
+            return self
+        out = ModelExecutePlan()
+        out.fwd_plan = [*self.fwd_plan, head]
+        out.bwd_plan = list(self.bwd_plan)
+        return out
+
+
+_CALLS = {"infer": "forward() without gradients", "train": "forward()"}
+
+
+def _check_ranges(plan: object, name: str, allow_empty: bool) -> None:
+    if not isinstance(plan, list) or (not plan and not allow_empty):
+        raise InvalidPlanError(f"{name} must be a non-empty list of ranges, got {plan!r}")
+    for r in plan:
+        if not isinstance(r, range) or r.step != 1 or len(r) == 0:
+            raise InvalidPlanError(
+                f"{name} entries must be non-empty ranges with step 1, got {r!r}"
+            )
+
+
+def _check_cover(
+    ordered: list[range], name: str, stop: int, order: str, short_hint: str = ""
+) -> None:
+    """``ordered`` (shallow to deep) must cover layers ``0..stop - 1`` contiguously, each once;
+    ``short_hint`` is appended when it stops early."""
+    pos = 0
+    for r in ordered:
+        if r.start != pos:
+            raise InvalidPlanError(
+                f"{name} does not cover layers contiguously ({order}, each layer once): expected "
+                f"a stage starting at layer {pos}, got {r!r}"
+            )
+        pos = r.stop
+    if pos > stop:
+        raise InvalidPlanError(
+            f"{name} covers layers 0..{pos - 1} but the model has {stop} layers (0..{stop - 1})"
+        )
+    if pos < stop:
+        raise InvalidPlanError(
+            f"{name} covers layers 0..{pos - 1} but the model has {stop} layers "
+            f"(0..{stop - 1}){short_hint}"
+        )
 
 
 class ModelTracker:
