@@ -1,6 +1,6 @@
 """Module surgery with no knowledge of schedules: the floor every other slapo layer stands on.
 
-Class-swap forward wrapping, moving hooks between modules, putting a module at a dotted path,
+Class-swap forward wrapping (which keeps the forward's signature), moving hooks between modules, putting a module at a dotted path,
 fresh attribute names, path joining and labels, and the transformers ``Conv1D`` test. This
 module imports nothing from slapo, so any layer may use it.
 
@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,7 @@ from torch import nn
 
 __all__ = [
     "ForwardWrapper",
+    "carry_signature",
     "forward_wraps",
     "is_conv1d",
     "join_path",
@@ -153,22 +155,35 @@ def forward_wraps(mod: nn.Module) -> tuple[str, ...]:
     return getattr(type(mod), "_slapo_forward_wraps", ())
 
 
-def wrap_forward(mod: nn.Module, kind: str, wrapper: ForwardWrapper) -> None:
+def wrap_forward(
+    mod: nn.Module,
+    kind: str,
+    wrapper: ForwardWrapper,
+    signature: inspect.Signature | None = None,
+) -> None:
     """Make ``mod(...)`` run ``wrapper(original_forward, *args, **kwargs)``.
 
-    Hooks registered on the module keep running around the wrapped forward, as before.
+    Hooks registered on the module keep running around the wrapped forward, as before. The new
+    forward takes ``(*args, **kwargs)`` but shows ``signature`` (default: the wrapped forward's)
+    to ``inspect.signature(mod.forward)``: callers that read it, e.g. Hugging Face ``Trainer``
+    keeping the dataset columns the forward names, see the model's own parameters.
 
     Example:
         >>> relu = nn.ReLU()
         >>> wrap_forward(relu, "negate", lambda fwd, x: -fwd(x))
         >>> forward_wraps(relu), isinstance(relu, nn.ReLU)
         (('negate',), True)
+        >>> str(inspect.signature(relu.forward))
+        '(input: torch.Tensor) -> torch.Tensor'
     """
     base = type(mod)
+    shown = signature if signature is not None else _bound_signature(mod.forward)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return wrapper(super(wrapped, self).forward, *args, **kwargs)
 
+    if shown is not None:
+        forward.__signature__ = _with_self(shown)  # type: ignore[attr-defined]
     wrapped = type(
         base.__name__,
         (base,),
@@ -181,3 +196,39 @@ def wrap_forward(mod: nn.Module, kind: str, wrapper: ForwardWrapper) -> None:
     )
     wrapped.__qualname__ = base.__qualname__
     mod.__class__ = wrapped
+
+
+def carry_signature(wrapper: nn.Module, model: nn.Module) -> None:
+    """Make ``inspect.signature(wrapper.forward)`` that of ``model.forward``, for a module that
+    wraps ``model`` and passes its ``(*args, **kwargs)`` on to it (``DistributedDataParallel``,
+    DeepSpeed's engine, RoundPipe's wrappers); calls are unchanged (see :func:`wrap_forward`).
+
+    Example:
+        >>> model = nn.Linear(2, 2)
+        >>> holder = nn.Sequential(model)
+        >>> carry_signature(holder, model)
+        >>> str(inspect.signature(holder.forward))
+        '(input: torch.Tensor) -> torch.Tensor'
+    """
+    shown = _bound_signature(model.forward)
+    if shown is not None:
+        wrap_forward(wrapper, "signature", _pass_through, signature=shown)
+
+
+def _pass_through(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return forward(*args, **kwargs)
+
+
+def _bound_signature(forward: Callable[..., Any]) -> inspect.Signature | None:
+    """The signature of a bound forward (without ``self``); None where Python cannot tell it."""
+    try:
+        return inspect.signature(forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _with_self(sig: inspect.Signature) -> inspect.Signature:
+    """``sig`` with a leading ``self``: the signature of the class's function, which
+    ``inspect`` drops again for the bound method (positional-only, so any ``sig`` takes it)."""
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    return sig.replace(parameters=[self_param, *sig.parameters.values()])

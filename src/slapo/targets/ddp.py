@@ -9,6 +9,7 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..precision import PRECISIONS, Precision
+from ..surgery import carry_signature
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
 from .registry import register_target
@@ -39,6 +40,9 @@ def build_ddp(
     the forward under ``torch.autocast``; fp16 scales the loss with a ``ShardedGradScaler``,
     so every rank skips the same overflowed steps.
 
+    ``inspect.signature(model.forward)`` is the scheduled model's (not DDP's ``*inputs``), so
+    Hugging Face ``Trainer`` keeps the dataset columns the model takes.
+
     Example:
         >>> slapo.env.setup()
         >>> model, opt = slapo.build(sch, target="ddp", optimizer=torch.optim.AdamW)
@@ -59,6 +63,7 @@ def build_ddp(
         )
     except TypeError as exc:  # a misspelt option: name it
         raise TargetError(f'target "ddp": bad option for DistributedDataParallel: {exc}') from exc
+    carry_signature(wrapped, model)  # DDP's forward(*inputs, **kwargs) shows the model's own
     optim = make_optimizer(wrapped, optimizer, optimizer_kwargs)
     # tensor-parallel shards differ between ranks: every rank's inf check is agreed on
     return with_loss_scaling(wrapped, optim, precision, device_type, sharded=True)

@@ -44,6 +44,7 @@ from ..exceptions import TargetError
 from ..logger import get_logger
 from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
+from ..surgery import carry_signature
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .contract import Batch, output_loss, split_batch
 from .registry import register_target
@@ -189,6 +190,9 @@ def build_deepspeed(
         engine.train_step = PipelineTrainStep(engine, piped)
     else:
         engine.train_step = _ZeroTrainStep(engine, loss_fn)
+        # DeepSpeed's forward(*inputs, **kwargs) shows the model's own (the pipeline engine's
+        # forward only raises: it trains through train_batch)
+        carry_signature(engine, model)
     if dist.get_rank() == 0:
         get_logger().info(
             "deepspeed: %s, ZeRO stage %d over %d data-parallel ranks",

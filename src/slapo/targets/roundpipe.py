@@ -16,6 +16,7 @@ from torch import nn
 from ..exceptions import TargetError
 from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
+from ..surgery import carry_signature
 from .common import OptimizerSpec, make_optimizer
 from .mixed_precision import GRAD_SCALER_ATTR
 from .registry import register_target
@@ -96,6 +97,9 @@ def build_roundpipe(
     model = roundpipe.wrap_model_to_roundpipe(
         root, layers=layers, model_run_config=run_config, pin_model=pin_model, **roundpipe_kwargs
     )
+    # RoundPipe's forward(*args, roundpipe_run_config=None, **kwargs) shows the model's own
+    # (roundpipe_run_config= is still taken)
+    carry_signature(model, root)
     cuts = pipeline_cuts(sch)
     if cuts:
         if run_config.execute_plan is not None:
