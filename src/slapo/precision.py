@@ -146,7 +146,9 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
 
-    def grad_scaler(self, device_type: str, process_group: Any = None, sharded: bool = False) -> Any:
+    def grad_scaler(
+        self, device_type: str, process_group: Any = None, sharded: bool = False
+    ) -> Any:
         """The loss scaler of this precision: None but for float16. ``sharded=True`` gives one
         whose inf/NaN checks agree over ``process_group`` (every rank then skips the same
         steps): ``ShardedGradScaler``; else ``torch.amp.GradScaler``.
@@ -195,7 +197,9 @@ def default_precision(device: torch.device | str) -> Precision:
     return Precision("fp32")
 
 
-def resolve_device(choice: str | torch.device | None = "auto", local_rank: int | None = None) -> torch.device:
+def resolve_device(
+    choice: str | torch.device | None = "auto", local_rank: int | None = None
+) -> torch.device:
     """The device a process trains on: ``auto`` is ``cuda:LOCAL_RANK`` where a GPU is, else the
     CPU; ``cuda`` without a GPU raises a :class:`DeviceError` naming the choice.
 
