@@ -1,8 +1,9 @@
 """Module surgery with no knowledge of schedules: the floor every other slapo layer stands on.
 
-Class-swap forward wrapping (which keeps the forward's signature), moving hooks between modules, putting a module at a dotted path,
-fresh attribute names, path joining and labels, and the transformers ``Conv1D`` test. This
-module imports nothing from slapo, so any layer may use it.
+Class-swap forward wrapping (which keeps the forward's signature), moving hooks between
+modules, putting a module at a dotted path, fresh attribute names, path joining and labels, and
+the transformers ``Conv1D`` test. This module imports nothing from slapo, so any layer may use
+it.
 
 Example:
     >>> from torch import nn
