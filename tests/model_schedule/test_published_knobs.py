@@ -27,13 +27,12 @@ def test_quick_start_call_schedules_bert_equal_to_the_unscheduled_model():
 
 
 def test_context_knobs_alone_keep_the_recommended_schedule():
+    """(The recommended schedule's equivalence is tested in test_selective_compile.)"""
     model = H.make("bert", dropout=0.0)
-    ref = H.twin(model)
     sch = apply_schedule(model, model_config=model.config, bf16=True)
     info = sch.extra["model_schedule"]
     assert info["recommended"] and info["precision"] == "bf16"
-    built, _ = slapo.build(sch, init_weights=False)
-    H.assert_same_step(ref, built)
+    assert info["compile_model"]  # the recommended knobs, not the plain defaults
 
 
 def test_published_attention_names_map_onto_attn_op():
