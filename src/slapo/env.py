@@ -71,11 +71,31 @@ def setup(
     _set_env("MASTER_PORT", str(master_port or os.environ.get("MASTER_PORT", 29500)))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
-    )
+    limit = timedelta(seconds=timeout)
+    store = _attempt_store(rank, world_size, limit)
+    if store is None:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=limit)
+    else:
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=limit
+        )  # fmt: skip
     export_env(local_rank)
     return DistEnv(rank, world_size, local_rank, backend)
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store | None:
+    """Under ``torchrun --max-restarts``, the rendezvous store of this attempt only.
+
+    torchrun's static rendezvous keeps one store across restarts, so a restarted group would
+    read the addresses the dead attempt published (gloo then connects to a closed port and
+    fails). Keys under ``attempt<TORCHELASTIC_RESTART_COUNT>/`` are this attempt's own. None
+    outside torchelastic: the plain ``env://`` rendezvous.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"attempt{attempt}/", store)
 
 
 def export_env(local_rank: int | None = None) -> dict[str, str]:

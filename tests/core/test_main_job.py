@@ -211,8 +211,9 @@ def test_bad_options_are_clear_errors(tmp_path):
 
     with pytest.raises(SlapoError, match="--tp 2 needs a multiple of 2 processes, not 1"):
         train(TrainConfig(tp=2, **SMALL))
-    with pytest.raises(SlapoError, match="--resume .*: no such checkpoint"):
-        train(TrainConfig(resume=str(tmp_path / "missing.pt"), **SMALL))
+    (tmp_path / "old.pt").write_bytes(b"a torch.save pickle")
+    with pytest.raises(SlapoError, match="--resume .*old.pt is a file"):
+        train(TrainConfig(resume=str(tmp_path / "old.pt"), **SMALL))
     with pytest.raises(SlapoError, match="--model must be one of"):
         train(TrainConfig(model="no-such-model", **SMALL))
 

@@ -58,13 +58,36 @@ def test_a_bad_flag(tmp_path, capsys, argv, says):
 
 def test_resume_from_a_directory_that_is_not_a_checkpoint(tmp_path, capsys):
     (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("a user's file: not an empty run directory")
     line = _fails(["--resume", str(tmp_path / "notes")], tmp_path, capsys)
     assert f"--resume {tmp_path / 'notes'} is not a `slapo train --save` checkpoint" in line
 
 
-def test_resume_from_a_missing_directory(tmp_path, capsys):
-    line = _fails(["--resume", str(tmp_path / "absent")], tmp_path, capsys)
-    assert "no such checkpoint" in line
+def test_resume_from_a_missing_directory_starts_fresh_then_resumes(tmp_path, capsys):
+    """One command for the first start and every restart (``torchrun --max-restarts``): a
+    --resume directory that does not exist yet (or holds only a killed save's leftovers) starts
+    from step 0 with one line saying so; the same command later resumes from its checkpoint."""
+    ckpt = tmp_path / "ckpt"
+    first = train(TrainConfig(steps=2, batch_size=2, seq_len=16, baseline_steps=0,
+                              progress=False, sample=False, compile_model=False,
+                              save=str(ckpt), resume=str(ckpt)))  # fmt: skip
+    err = capsys.readouterr().err
+    assert f"--resume {ckpt}: no checkpoint there yet; starting from step 0" in err
+    assert first["resumed_from"] is None and len(first["losses"]) == 2
+    more = train(TrainConfig(steps=3, batch_size=2, seq_len=16, baseline_steps=0,
+                             progress=False, sample=False, compile_model=False,
+                             save=str(ckpt), resume=str(ckpt)))  # fmt: skip
+    assert "no checkpoint there yet" not in capsys.readouterr().err
+    assert more["resumed_at"] == 2 and more["losses"][:2] == first["losses"]
+
+
+def test_resume_from_a_directory_with_only_a_killed_save_starts_fresh(tmp_path, capsys):
+    (tmp_path / "ckpt" / "step-000002.tmp-train").mkdir(parents=True)  # killed mid-save
+    summary = train(TrainConfig(steps=1, batch_size=2, seq_len=16, baseline_steps=0,
+                                progress=False, sample=False, compile_model=False,
+                                resume=str(tmp_path / "ckpt")))  # fmt: skip
+    assert "no checkpoint there yet" in capsys.readouterr().err
+    assert summary["resumed_from"] is None
 
 
 def test_resume_with_another_model(tmp_path, capsys, saved):

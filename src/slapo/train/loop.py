@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -52,6 +53,7 @@ from .state import (
     load_run,
     model_identity,
     new_record,
+    nothing_to_resume,
     prune_steps,
     save_run,
     step_dir,
@@ -440,6 +442,14 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         layout = setup_layout(cfg, run)
         if run.use.checkpoint == "full":  # replaced whole by the save
             check_save(cfg)
+        if cfg.resume and nothing_to_resume(cfg.resume, layout.rank, layout.world):
+            if layout.rank == 0:
+                print(
+                    f"slapo train: --resume {cfg.resume}: no checkpoint there yet; "
+                    "starting from step 0",
+                    file=sys.stderr,
+                )  # fmt: skip
+            cfg = replace(cfg, resume=None)
         if cfg.resume:  # a checkpoint of this model, before the baseline trains
             check_resume(cfg, layout.rank, layout.world, model_identity(cfg))
         runs = []

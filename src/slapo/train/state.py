@@ -56,6 +56,7 @@ __all__ = [
     "check_save",
     "checkpoint_path",
     "find_checkpoint",
+    "nothing_to_resume",
     "load_run",
     "model_identity",
     "new_record",
@@ -68,6 +69,8 @@ STATE_FILE = "train_state.json"
 FORMAT = "slapo-train-v1"
 _TMP, _OLD = ".tmp-train", ".old-train"
 _STEP = re.compile(r"step-(\d+)")
+#: what an interrupted step save leaves behind (``step-NNNNNN.tmp-train``), never a checkpoint
+_STEP_LEFTOVER = re.compile(r"step-\d+(\..+)?")
 
 
 @dataclass
@@ -175,6 +178,26 @@ def _steps(path: Path) -> list[tuple[int, Path]]:
         if match and _is_full(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
+
+
+def nothing_to_resume(path: str, rank: int = 0, world: int = 1) -> bool:
+    """Whether ``--resume path`` names no checkpoint *yet*: the directory does not exist, or holds
+    nothing but step saves a killed run left unfinished (``step-NNNNNN.tmp-*``). Such a run
+    starts fresh, so that ``torchrun --max-restarts N ... --save DIR --save-every K --resume DIR``
+    is one command for the first start and every restart. A directory holding anything else is
+    not taken for an empty one (:func:`find_checkpoint` names what is wrong with it).
+
+    Example:
+        >>> nothing_to_resume("runs/not-yet")
+        True
+    """
+    p = Path(path).expanduser()
+    mine = checkpoint_path(p, rank, world)
+    if not p.exists() and not mine.exists():
+        return True
+    if _is_full(p) or _is_tree(mine) or _steps(p):
+        return False
+    return p.is_dir() and all(_STEP_LEFTOVER.fullmatch(c.name) for c in p.iterdir())
 
 
 def find_checkpoint(path: str, rank: int = 0, world: int = 1) -> tuple[Path, str]:
