@@ -90,7 +90,7 @@ def materialize_module(
         >>> layer.weight.device.type
         'cpu'
     """
-    memo: dict[int, torch.Tensor] = {}
+    memo = _TensorMemo()
     had_meta: set[int] = set()  # ids of the modules (the model's or originals) given storage
     touched = [m for m in model.modules() if _materialize_own(m, memo, device)]
     if not touched:
@@ -116,7 +116,25 @@ def materialize_module(
     return touched
 
 
-def _materialize_own(module: nn.Module, memo: dict[int, torch.Tensor], device: Any) -> bool:
+class _TensorMemo(dict):
+    """``id(meta tensor) -> its new tensor``, holding every meta tensor it has seen.
+
+    Keys are ids, and an id is unique only among living objects: a meta tensor freed once its
+    module points at the new one would let a tensor created later (a traced block's original,
+    say) take its id and be handed another tensor's storage, of another shape or values. So the
+    memo keeps them alive until materialization is done.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def put(self, meta: torch.Tensor, new: torch.Tensor) -> None:
+        self.seen.append(meta)
+        self[id(meta)] = new
+
+
+def _materialize_own(module: nn.Module, memo: _TensorMemo, device: Any) -> bool:
     """Give ``module``'s own meta parameters and buffers storage (one new tensor per meta
     tensor, through ``memo``); returns whether it had any."""
     changed = False
@@ -129,15 +147,16 @@ def _materialize_own(module: nn.Module, memo: dict[int, torch.Tensor], device: A
             )
             new.__dict__.update(param.__dict__)
             new.__dict__.pop("_is_hf_initialized", None)
-            memo[id(param)] = new
+            memo.put(param, new)
         module._parameters[name] = memo[id(param)]  # type: ignore[assignment]
         changed = True
     for name, buf in list(module._buffers.items()):
         if buf is None or not buf.is_meta:
             continue
         if id(buf) not in memo:
-            memo[id(buf)] = torch.zeros_like(buf, device=device)
-            memo[id(buf)].__dict__.update(buf.__dict__)  # a sharded buffer keeps its spec
+            new_buf = torch.zeros_like(buf, device=device)
+            new_buf.__dict__.update(buf.__dict__)  # a sharded buffer keeps its spec
+            memo.put(buf, new_buf)
         module._buffers[name] = memo[id(buf)]
         changed = True
     return changed
