@@ -92,3 +92,18 @@ def delayed_update_reference(
         snapshots.append(copy.deepcopy(master.state_dict()))
         losses.append(loss.detach())
     return losses, master, opt
+
+
+def tiny_qwen3(**overrides: Any) -> nn.Module:
+    """A 2-layer random-weight Qwen3 causal LM (seed 0; GQA: 4 query, 2 key/value heads);
+    ``overrides``: config fields (``use_cache=False``, token ids). Skips without transformers."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        **overrides,
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(cfg)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 
-import pytest
 import torch
 from guide_reference import (
     PlainTrainer,
@@ -21,6 +20,7 @@ from guide_reference import (
     split_mb,
     wrap,
 )
+from helpers import tiny_qwen3
 from torch import nn
 
 import roundpipe
@@ -142,20 +142,7 @@ def test_wrap_model_custom_sequential(two_devices):
 
 
 def _tiny_qwen3() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return transformers.Qwen3ForCausalLM(cfg).to(torch.float16)
+    return tiny_qwen3(use_cache=False).to(torch.float16)
 
 
 def test_wrap_model_preset(two_devices):

@@ -19,6 +19,7 @@ import copy
 import pytest
 import torch
 from guide_reference import PlainTrainer, assert_params
+from helpers import tiny_qwen3
 from torch import nn
 
 import roundpipe
@@ -163,22 +164,8 @@ def test_resnet_cifar100_notebook(two_devices):
 
 # -- Qwen3 fine-tuning --------------------------------------------------------------------------
 def _tiny_qwen3():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-        use_cache=False,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
-    return transformers, transformers.Qwen3ForCausalLM(cfg).to(torch.float16)
+    model = tiny_qwen3(use_cache=False, pad_token_id=0, eos_token_id=1)
+    return pytest.importorskip("transformers"), model.to(torch.float16)
 
 
 def _tokenized_batches(n: int, batch_size: int, seed: int):

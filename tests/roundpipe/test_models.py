@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_close
+from helpers import assert_close, tiny_qwen3
 from torch import nn
 
 import roundpipe
@@ -30,18 +30,7 @@ def _tiny_llama():
 
 
 def _tiny_qwen3():
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=64,
-    )
-    return transformers.Qwen3ForCausalLM(cfg)
+    return tiny_qwen3()
 
 
 def _tiny_gpt2():
