@@ -26,17 +26,23 @@ CHECKS = [
     "mixtral_moves",
     "qwen2_moe_aux",
     "gpt_oss_aux",
+    "deepseek_v3_global",
+    "deepseek_v3_moves_bf16",
+    "deepseek_v3_checkpoint",
+    "gpt_oss_checkpoint",
 ]
 
 
 @pytest.fixture(scope="module")
-def ep2():
-    return check_all(run_workers(jobs.ep_job, 2, timeout=60.0, deadline=120.0))
+def ep2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ep2"))  # the checkpoints the ranks share
+    return check_all(run_workers(jobs.ep_job, 2, (root,), timeout=60.0, deadline=120.0))
 
 
 @pytest.fixture(scope="module")
-def ep4():
-    return check_all(run_workers(jobs.ep_job, 4, timeout=60.0, deadline=150.0))
+def ep4(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ep4"))
+    return check_all(run_workers(jobs.ep_job, 4, (root,), timeout=60.0, deadline=150.0))
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -6,7 +6,8 @@ forward: a custom backward (the all-reduce of an input gradient, say) would be l
 stage would train with wrong gradients. While tracing, :func:`opaque_collectives` swaps each of
 these Functions for a shim that calls one custom op, ``slapo_pipeline::collective``, which the
 trace keeps as a single node; at run time that op runs the real Function's forward, and its
-registered autograd runs the real Function's backward.
+registered autograd runs the real Function's backward. The expert-parallel token dispatch is kept
+whole the same way (:mod:`.expert_trace`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..sharding import collectives, sync_ops
+from .expert_trace import opaque_expert_dispatch
 
 __all__ = ["opaque_collectives"]
 
@@ -97,7 +99,8 @@ class _Shim:
 
 @contextlib.contextmanager
 def opaque_collectives() -> Iterator[None]:
-    """While tracing, make slapo's tensor-parallel collectives single custom-op nodes.
+    """While tracing, make slapo's tensor-parallel collectives and expert-parallel dispatches
+    single custom-op nodes.
 
     Example:
         >>> with opaque_collectives():
@@ -109,7 +112,8 @@ def opaque_collectives() -> Iterator[None]:
     for mod, n, cls in saved:
         setattr(mod, n, _Shim(cls))
     try:
-        yield
+        with opaque_expert_dispatch():
+            yield
     finally:
         for mod, n, cls in saved:
             setattr(mod, n, cls)

@@ -98,6 +98,35 @@ class ContextParallel:
             out["shift_labels"] = self.split(shifted)
         return out
 
+    def model_batch(self, batch: Mapping[str, torch.Tensor | None]) -> dict[str, Any]:
+        """This rank's keyword arguments for a transformers causal LM that computes its own loss
+        from a full batch ``{input_ids, labels, attention_mask?}``, for data parallelism over
+        dp x cp ranks that *averages* their gradients and losses (DDP, FSDP).
+
+        The model's loss (transformers' ``ForCausalLMLoss``) then reads ``shift_labels`` (the
+        labels shifted over the full sequence, this rank's part) and divides this rank's summed
+        token losses by ``num_items_in_batch`` = the sequence's valid labels / cp: the mean of
+        that over the cp ranks is the full sequence's mean loss, so averaging the cp ranks'
+        gradients gives the full sequence's gradient.
+
+        Example:
+            >>> out = model(**cp.model_batch({"input_ids": ids, "labels": ids}))  # doctest: +SKIP
+        """
+        if batch.get("labels") is None:
+            raise ContextParallelError(
+                "model_batch: the batch needs labels (the model computes its loss from them); "
+                "without a loss use shard_batch"
+            )
+        local = self.shard_batch(batch)
+        shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        count = (shifted != IGNORE_INDEX).sum().to(torch.float32)
+        if count == 0:
+            raise ContextParallelError("model_batch: every label of the batch is -100")
+        labels = local.pop("shift_labels")
+        # labels= only switches the model's loss on: shift_labels= is what it reads
+        return {**local, "labels": labels, "shift_labels": labels,
+                "num_items_in_batch": count / self.world}  # fmt: skip
+
     def split(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's load-balanced slice of ``t`` along ``dim``."""
         return split_sequence(t, self.rank, self.world, dim)

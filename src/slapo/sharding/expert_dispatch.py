@@ -38,7 +38,10 @@ def count_dispatched() -> Iterator[Counter]:
     """Count what :func:`dispatch_combine` sends in its forward token exchange.
 
     Keys: ``"rows_to_peers"`` (token rows sent to *other* ranks), ``"elements_to_peers"`` (their
-    element count), ``"rows_kept"`` (rows routed to this rank's own experts), ``"calls"``.
+    element count), ``"bytes_to_peers"`` (their size in bytes: elements x the hidden states'
+    element size), ``"rows_kept"`` (rows routed to this rank's own experts), ``"calls"``. Only
+    the forward token exchange counts: not the per-expert counts, the results' return trip or
+    the backward exchanges.
 
     Example:
         >>> with count_dispatched() as sent:
@@ -133,7 +136,7 @@ def dispatch_combine(
     send_splits = per_expert.view(ep, per_rank).sum(1).tolist()
     recv_by_rank = recv.view(ep, per_rank)
     recv_splits = recv_by_rank.sum(1).tolist()
-    _record(send_splits, rank, hidden.shape[1])
+    _record(send_splits, rank, hidden.shape[1], hidden.element_size())
 
     # 2. tokens out; each arrives tagged (by position) with its local expert.
     arrived = all_to_all_rows(hidden[token_of], recv_splits, send_splits, group)
@@ -153,7 +156,7 @@ def dispatch_combine(
     return combined.index_add(0, token_of, weighted.to(hidden.dtype))
 
 
-def _record(send_splits: list[int], rank: int, width: int) -> None:
+def _record(send_splits: list[int], rank: int, width: int, item_size: int) -> None:
     if not _COUNTERS:
         return
     to_peers = sum(send_splits) - send_splits[rank]
@@ -162,3 +165,4 @@ def _record(send_splits: list[int], rank: int, width: int) -> None:
         counter["rows_kept"] += send_splits[rank]
         counter["rows_to_peers"] += to_peers
         counter["elements_to_peers"] += to_peers * width
+        counter["bytes_to_peers"] += to_peers * width * item_size

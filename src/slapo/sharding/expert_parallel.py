@@ -4,8 +4,14 @@
 :class:`ExpertParallelExperts` that keeps only this rank's experts (sliced from the fused 3-D
 expert weights transformers 5.x uses) and reaches the others through the
 all-to-all dispatcher of :mod:`.expert_dispatch`. The block itself (its router, Mixtral's jitter,
-Qwen2-MoE's shared expert) is untouched, so the routing and the router's load-balancing
-loss are exactly those of the original model.
+Qwen2-MoE's shared expert, DeepSeek-V3's group-limited router and shared experts) is untouched,
+so the routing and the router's load-balancing loss are exactly those of the original model.
+
+Each local expert parameter carries a :class:`~slapo.sharding.spec.ShardSpec` (axis 0, the
+group's size and rank, the full fused shape), the same record tensor parallelism leaves on its
+slices: :mod:`slapo.checkpoints` then stores every expert tensor once, at its full shape under
+its original name, and loads a full checkpoint onto any expert-parallel size (each rank keeps
+its experts). Code that syncs the gradients of *replicated* parameters skips it, as EP needs.
 
 EP borrows its ranks from data parallelism: each rank of the group trains on its own batch. An
 expert's gradient is then the sum over every rank's tokens, on its owner; the other parameters'
@@ -26,6 +32,7 @@ from torch import nn
 from ..exceptions import SlapoError
 from .expert_dispatch import dispatch_combine
 from .groups import describe_group, group_rank, require_initialized, resolve_group
+from .spec import SPEC_ATTR, ShardSpec
 
 __all__ = [
     "ExpertParallelError",
@@ -42,7 +49,8 @@ class ExpertParallelError(SlapoError, ValueError):
 
 
 def _swiglu_expert(m: nn.Module, j: int, rows: torch.Tensor) -> torch.Tensor:
-    # Qwen3-MoE, Mixtral, Qwen2-MoE: gate_up_proj (E, 2I, H) = [gate; up], down_proj (E, H, I).
+    # Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3: gate_up_proj (E, 2I, H) = [gate; up],
+    # down_proj (E, H, I); the routing weights are applied by the dispatcher.
     gate, up = nn.functional.linear(rows, m.gate_up_proj[j]).chunk(2, dim=-1)
     return nn.functional.linear(m.act_fn(gate) * up, m.down_proj[j])
 
@@ -71,6 +79,9 @@ LAYOUTS: dict[str, _Layout] = {
     "Qwen3MoeExperts": _SWIGLU,
     "MixtralExperts": _SWIGLU,
     "Qwen2MoeExperts": _SWIGLU,
+    # Same math and signature; its router (sigmoid scores, correction bias, group-limited
+    # top-k, scaling) stays in DeepseekV3MoE, which passes the chosen ids and weights here.
+    "DeepseekV3Experts": _SWIGLU,
     "GptOssExperts": _Layout(
         ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
         ("alpha", "limit"),
@@ -84,7 +95,8 @@ class ExpertParallelExperts(nn.Module):
     (``hidden (N, H), top_k_index (N, K), top_k_weights (N, K) -> (N, H)``).
 
     Parameters keep the original names (e.g. ``gate_up_proj``, ``down_proj``) with the expert
-    dimension cut to the ``num_local`` experts starting at global id ``first``.
+    dimension cut to the ``num_local`` experts starting at global id ``first``; each carries a
+    ``ShardSpec`` (axis 0 over ``group``, the full fused shape) so that checkpoints store it whole.
     """
 
     def __init__(self, experts: nn.Module, group: dist.ProcessGroup | None, rank: int, ep: int):
@@ -99,8 +111,18 @@ class ExpertParallelExperts(nn.Module):
         local = slice(self.first, self.first + self.num_local)
         for name in self.layout.params:
             # Own copies, so the full tensors can be freed with the original module.
-            full = getattr(experts, name).detach()
-            self.register_parameter(name, nn.Parameter(full[local].clone()))
+            full = getattr(experts, name)
+            param = nn.Parameter(full.detach()[local].clone(), requires_grad=full.requires_grad)
+            spec = ShardSpec(
+                axis=0,
+                world=ep,
+                rank=rank,
+                full_shape=tuple(full.shape),
+                padded=self.num_experts,
+                group=group,
+            )
+            setattr(param, SPEC_ATTR, spec)
+            self.register_parameter(name, param)
 
     def _expert(self, j: int, rows: torch.Tensor) -> torch.Tensor:
         return self.layout.expert(self, j, rows)
@@ -121,8 +143,10 @@ def expert_parallel(model: nn.Module, group: Any = None) -> nn.Module:
     """Split every MoE block's experts of ``model`` over ``group`` (in place; returns ``model``).
 
     ``group``: None (the world), a ``ProcessGroup`` or a 1-D ``DeviceMesh``. Every rank must hold
-    the same weights before the call (e.g. the same seed or checkpoint). Supported: the fused
-    experts of Qwen3-MoE, Mixtral, Qwen2-MoE (its shared expert stays replicated) and GPT-OSS;
+    the same weights before the call (e.g. the same seed or checkpoint), or load a checkpoint
+    after it (``slapo.load_checkpoint`` gives each rank its experts). Supported: the fused
+    experts of Qwen3-MoE, Mixtral, Qwen2-MoE, DeepSeek-V3 (their shared experts stay replicated)
+    and GPT-OSS;
     another MoE block (a module with an ``experts`` child) raises :class:`ExpertParallelError`
     naming it.
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..precision import PRECISIONS, Precision
+from ..sharding.expert_grads import expert_param_names
 from ..surgery import carry_signature
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
@@ -34,7 +35,8 @@ def build_ddp(
 
     Gradients are averaged over the group, so each rank trains on its own slice of the batch.
     With tensor parallelism on a 2-D mesh pass ``group=mesh["dp"]``: sharded parameters are
-    plain tensors, each averaged with its peers holding the same shard.
+    plain tensors, each averaged with its peers holding the same shard. Expert-parallel
+    weights hooked by ``slapo.sharding.reduce_expert_grads`` are left to their hooks.
 
     ``precision="bf16"``/``"fp16"``: float32 parameters and gradients (all-reduced in float32),
     the forward under ``torch.autocast``; fp16 scales the loss with a ``ShardedGradScaler``,
@@ -57,6 +59,13 @@ def build_ddp(
     # float32 parameters (the master weights) and gradients, all-reduced in float32
     autocast_forward(model, precision, device_type)
     dev_ids = None if device_type == "cpu" else [next(model.parameters()).device]
+    # expert-parallel weights hold different experts on different ranks: their own hooks
+    # reduce their gradients (slapo.sharding.expert_grads), DDP must not average them
+    ignored = expert_param_names(model)
+    if ignored:
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored
+        )
     try:
         wrapped = nn.parallel.DistributedDataParallel(
             model, device_ids=dev_ids, process_group=pg, **ddp_kwargs

@@ -32,6 +32,11 @@ from ..pipeline.replicas import FreshGrads, ReplicaGradAverage, global_grad_norm
 from ..pipeline.stage_checkpoint import checkpoint_stages, checkpointed_modules
 from ..precision import PRECISIONS, Precision
 from ..primitives.cut_pipeline_stage import pipeline_cuts
+from ..sharding.expert_grads import (
+    data_parallel_params,
+    expert_param_names,
+    is_reduced_by_hook,
+)
 from .common import (
     OptimizerSpec,
     default_blocks,
@@ -179,6 +184,13 @@ class PipelineEngine:
             if p.stage_to_rank[s] == p.pp_rank
         }
         self.shard_specs = _specs_of(local)
+        experts = [n for m in local.values() for n in expert_param_names(m)]
+        if experts and self.data_parallel == "fsdp":
+            raise TargetError(
+                f"pipeline: data_parallel={self.data_parallel!r} would shard the expert-parallel "
+                f'weights ("{experts[0]}", ...) over the replicas, which hold different experts; '
+                'use data_parallel="ddp"'
+            )
         if self.data_parallel == "fsdp":
             _shard_stages(local, p.dp_mesh)
         stages = [
@@ -251,8 +263,8 @@ class PipelineEngine:
                 self.schedule.step(*args, **kwargs)
             assert self._ties is not None  # set with the schedule
             self._ties()
-            if self._average is not None:
-                self._average(params)
+            if self._average is not None:  # expert weights: their own hooks reduce them
+                self._average(data_parallel_params(params))
             loss = (
                 torch.stack([x.detach().float() for x in losses]).mean()
                 if losses
@@ -346,7 +358,8 @@ class PipelineEngine:
 
         The norm covers every stage, every tensor-parallel slice and no weight twice: a tied
         weight counts on the first stage holding it, a replicated one on tensor rank 0; DDP's
-        replicas hold equal (averaged) gradients and count once, FSDP2's each its own shard. Call it after
+        replicas hold equal (averaged) gradients and count once, FSDP2's each its own shard;
+        expert-parallel slices count over their ep group. Call it after
         the step, before ``optimizer.step()``, on every rank.
 
         Example:
@@ -360,6 +373,7 @@ class PipelineEngine:
         }
         tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         counted, grads, seen = [], [], set()
+        experts: dict[Any, list[torch.Tensor]] = {}  # ep group -> this rank's expert slices
         for stage, mod in self.stage_modules.items():
             for name, p in mod.named_parameters(remove_duplicate=False):
                 if p.grad is None or id(p) in seen:
@@ -367,11 +381,20 @@ class PipelineEngine:
                 seen.add(id(p))
                 grad = local_part(p.grad)  # FSDP2: this replica's shard
                 grads.append(grad)
+                if is_reduced_by_hook(p):  # an expert slice: summed over its ep group below
+                    experts.setdefault(self.shard_specs[name].group, []).append(grad)
+                    continue
                 if first_holder.get(name, stage) != stage:
                     continue  # a tied copy: its first stage counts it
                 if self.shard_specs.get(name) is None and tp_rank != 0:
                     continue  # replicated over the tensor ranks: rank 0 counts it
                 counted.append(grad)
+        for group, slices in experts.items():
+            # the ep ranks of this stage hold disjoint experts: their squares add up over the
+            # group; one value standing for them joins this rank's counted gradients
+            squares = torch.stack([g.detach().double().pow(2).sum() for g in slices]).sum()
+            dist.all_reduce(squares, group=group)
+            counted.append(squares.sqrt().reshape(1))
         # FSDP2's replicas hold disjoint shards (summed); DDP's hold equal copies (counted once)
         dp = self.dp_group if self.data_parallel == "fsdp" else None
         total = global_grad_norm(counted, [self.group, self.tp_group, dp])

@@ -40,8 +40,9 @@ HELP = "train a transformers model (yours, or a small one) on your data or the e
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
 ready schedule, or your model (--model DIR) on your data (--data FILE|DIR), with the family's
 ready schedule or else a generic plan. Under torchrun --nproc-per-node N it runs tensor (--tp),
-data (--target ddp|fsdp) or pipeline (--pp P) parallel, or all three: dp = N / (tp * pp). --save writes
-a Hugging Face model directory that --resume continues exactly. Bad input exits with status 2."""
+data (--target ddp|fsdp), pipeline (--pp P), context (--cp C) and expert (--ep E) parallel, in any
+mix: dp = N / (tp * pp * cp), ep borrowed from dp x cp. --save writes a Hugging Face model
+directory that --resume continues exactly. Bad input exits with status 2."""
 
 
 def parse_bool(text: str) -> bool:

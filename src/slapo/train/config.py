@@ -171,6 +171,16 @@ class TrainConfig:
         "processes left over form data-parallel replicas: dp = N / (tp * pp)",
         group=SCHEDULE_KNOBS, positive=True, aliases=("--num-stages",),
     )  # fmt: skip
+    cp: int = option(
+        1, "context-parallel size (under torchrun): each rank holds 1/cp of every sequence and "
+        "attention gathers keys and values over the cp group; dp = N / (tp * pp * cp)",
+        group=SCHEDULE_KNOBS, positive=True,
+    )  # fmt: skip
+    ep: int = option(
+        1, "expert-parallel size (under torchrun): the experts of each MoE layer split over ep "
+        "ranks borrowed from dp x cp (ep divides dp * cp and is a multiple of cp)",
+        group=SCHEDULE_KNOBS, positive=True,
+    )  # fmt: skip
     target: str = option(
         DEFAULT_TARGET, "build target; with torchrun's processes beyond --tp x --pp, the "
         "data-parallel engine of the replicas: eager and ddp average whole replicas' gradients, "

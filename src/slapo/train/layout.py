@@ -19,11 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
 from .. import env
 from ..exceptions import SlapoError
 from ..schedule import Schedule, create_schedule
+from ..sharding.mesh import check_sizes, init_parallel_mesh
 from .config import TrainConfig, knob_fields
 from .generic import GENERIC_KNOBS, generic_schedule
 from .model_source import resolve_model
@@ -53,8 +53,14 @@ __all__ = [
 
 @dataclass
 class Layout:
-    """How this process takes part: its groups and coordinates on the ``("dp", "pp", "tp")``
-    mesh (``("dp", "tp")`` without pipeline stages; None on one process)."""
+    """How this process takes part: its groups and coordinates on the ``("pp", "dp", "cp",
+    "tp")`` mesh (torchtitan's order: the busiest links innermost; None on one process).
+
+    ``grad_group``: the ranks whose gradients and losses are averaged, dp x cp (the cp ranks'
+    losses are scaled so that their mean is the sequence's loss); ``ep_group``: the ranks that
+    split each MoE layer's experts (borrowed from dp x cp); ``ep_replicas``: the ranks that hold
+    the same experts.
+    """
 
     rank: int = 0
     world: int = 1
@@ -65,16 +71,33 @@ class Layout:
     mesh: Any = None
     pp_size: int = 1
     tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    cp_group: Any = None
+    ep_group: Any = None
+    ep_replicas: Any = None
+    grad_group: Any = None
+    parallel_mesh: Any = None  # the slapo.sharding.ParallelMesh of them all
 
     def describe(self) -> str:
-        """The layout in words, for the summary.
+        """The layout in words, for the summary (cp and ep where used).
 
         Example:
             >>> Layout(world=8, dp_size=2, pp_size=2, tp_size=2).describe()
             'dp 2 x pp 2 x tp 2 (8 processes)'
+            >>> Layout(world=8, dp_size=2, cp_size=2, tp_size=2, ep_size=4).describe()
+            'dp 2 x pp 1 x cp 2 x tp 2, ep 4 (8 processes)'
         """
-        shape = f"dp {self.dp_size} x pp {self.pp_size} x tp {self.tp_size}"
+        shape = f"dp {self.dp_size} x pp {self.pp_size}"
+        shape += f" x cp {self.cp_size}" if self.cp_size > 1 else ""
+        shape += f" x tp {self.tp_size}"
+        shape += f", ep {self.ep_size}" if self.ep_size > 1 else ""
         return f"{shape} ({self.world} process{'es' if self.world > 1 else ''})"
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks average their gradients: dp x cp."""
+        return self.dp_size * self.cp_size
 
 
 def build_target(cfg: TrainConfig) -> str:
@@ -93,9 +116,11 @@ def build_target(cfg: TrainConfig) -> str:
 
 # ----- the process layout ------------------------------------------------------------------------
 def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
-    """Start the process group under torchrun and lay the ranks out on one mesh: ``("dp", "pp",
-    "tp")`` with ``--pp`` 2 or more, else ``("dp", "tp")``; dp = processes / (tp * pp), the
-    tensor-parallel ranks adjacent (as torchtitan lays them out: the busiest links innermost).
+    """Start the process group under torchrun and lay the ranks out on one mesh ``("pp", "dp",
+    "cp", "tp")``, torchtitan's order: dp = processes / (pp * cp * tp), the tensor-parallel
+    ranks adjacent (the busiest links innermost), the pipeline stages outermost. With ``--ep``
+    the experts' ranks are borrowed from dp x cp as torchtitan does: dp splits into
+    (dp / (ep / cp), ep / cp) and ep = (ep / cp) x cp, so each ep group spans whole cp groups.
 
     Example:
         >>> setup_layout(TrainConfig(tp=2, pp=2)).describe()  # torchrun --nproc-per-node 8
@@ -111,26 +136,16 @@ def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
     if not use.evaluates and (cfg.eval_data or cfg.eval_fraction):
         raise SlapoError(f"--eval-data/--eval-fraction are not wired for --target {target}")
     use.check(cfg)
-    model_parallel = cfg.tp * cfg.pp
+    check_context_expert(cfg, target)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if run.record.distributed or world > 1 or model_parallel > 1:
+    if run.record.distributed or world > 1 or cfg.tp * cfg.pp * cfg.cp > 1:
         env.setup(backend=run.backend)  # NCCL between GPUs, gloo between CPU processes
         world = dist.get_world_size()
-    if world % model_parallel:
-        flags = " x ".join(f"--{k} {v}" for k, v in (("tp", cfg.tp), ("pp", cfg.pp)) if v > 1)
-        raise SlapoError(
-            f"{flags} needs a multiple of {model_parallel} processes, not {world}: "
-            f"torchrun --nproc-per-node {model_parallel} (or a multiple, for data parallelism)"
-        )
+    dp = check_sizes(world, cfg.pp, cfg.cp, cfg.tp, cfg.ep)
     if world == 1:
         return Layout()
-    device = run.device.type
-    dp = world // model_parallel
-    if cfg.pp > 1:
-        shape, names = (dp, cfg.pp, cfg.tp), ("dp", "pp", "tp")
-    else:
-        shape, names = (dp, cfg.tp), ("dp", "tp")
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
+    pm = init_parallel_mesh(run.device.type, pp=cfg.pp, cp=cfg.cp, tp=cfg.tp, ep=cfg.ep)
+    mesh = pm.mesh
     return Layout(
         rank=dist.get_rank(),
         world=world,
@@ -141,7 +156,72 @@ def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
         mesh=mesh,
         pp_size=cfg.pp,
         tp_size=cfg.tp,
+        cp_size=cfg.cp,
+        ep_size=cfg.ep,
+        cp_group=mesh["cp"] if cfg.cp > 1 else None,
+        ep_group=pm.ep,
+        ep_replicas=pm.expert_replicas,
+        grad_group=pm.grad,
+        parallel_mesh=pm,
     )
+
+
+def check_context_expert(cfg: TrainConfig, target: str) -> None:
+    """Refuse the ``--cp``/``--ep`` combinations the main job does not run (before any process
+    group starts), naming the flags.
+
+    Example:
+        >>> check_context_expert(TrainConfig(cp=2, pp=2), "pipeline")
+        Traceback (most recent call last):
+        slapo.exceptions.SlapoError: --cp 2 with --pp 2: ...
+    """
+    if cfg.cp > 1:
+        if cfg.pp > 1:
+            raise SlapoError(
+                f"--cp {cfg.cp} with --pp {cfg.pp}: context parallelism inside pipeline stages "
+                "is not wired yet; use --cp with --tp and data parallelism"
+            )
+        if not TARGET_USES[target].context_parallel:
+            runs_on = [name for name, use in TARGET_USES.items() if use.context_parallel]
+            raise SlapoError(
+                f"--cp {cfg.cp} with --target {cfg.target}: context parallelism runs on "
+                f"{' or '.join(runs_on)}"
+            )
+        if cfg.seq_len % (2 * cfg.cp):
+            raise SlapoError(
+                f"--cp {cfg.cp} splits each sequence into {2 * cfg.cp} chunks (two per rank, "
+                f"load-balanced): --seq-len {cfg.seq_len} must be a multiple of {2 * cfg.cp}"
+            )
+        for flag, value in (
+            ("--fused-loss", cfg.fused_loss),
+            ("--compile-blocks", cfg.compile_blocks),
+            ("--compile-model", cfg.compile_model),
+        ):
+            if value:
+                raise SlapoError(
+                    f"--cp {cfg.cp} with {flag}: context parallelism needs the model's own loss "
+                    f"and attention, uncompiled; drop {flag}"
+                )
+        if cfg.attn_op not in (None, "model"):
+            raise SlapoError(
+                f"--cp {cfg.cp} with --attn-op {cfg.attn_op}: context parallelism replaces the "
+                "model's own attention (transformers' attention interface); drop --attn-op"
+            )
+    if cfg.ep > 1:
+        if cfg.tp > 1:
+            raise SlapoError(
+                f"--ep {cfg.ep} with --tp {cfg.tp}: tensor parallelism would shard the experts "
+                "expert parallelism splits; use --ep with data, context and pipeline parallelism"
+            )
+        # with --pp, the stages' replicas share gradients as --target says
+        replicas = PIPELINE_DATA_PARALLEL.get(cfg.target, target) if cfg.pp > 1 else target
+        if not (TARGET_USES[target].expert_parallel and TARGET_USES[replicas].expert_parallel):
+            runs_on = [name for name, use in TARGET_USES.items() if use.expert_parallel]
+            raise SlapoError(
+                f"--ep {cfg.ep} with --target {cfg.target}: expert-parallel weights differ "
+                f"between the ranks; their gradients are reduced on whole replicas "
+                f"({', '.join(runs_on)}), not sharded"
+            )
 
 
 def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, Any]:
@@ -163,8 +243,10 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
     family = schedule_family(cfg.model)
     defaults = GENERIC_KNOBS if family is None else recommended_knobs(family)
     knobs = {"ckpt_ratio": 0.0, **defaults}
-    if not TARGET_USES[cfg.target].compile_model or cfg.tp > 1 or cfg.pp > 1:
+    if not TARGET_USES[cfg.target].compile_model or max(cfg.tp, cfg.pp, cfg.cp, cfg.ep) > 1:
         knobs["compile_model"] = False
+    if cfg.cp > 1:  # context parallelism runs through the model's own attention
+        knobs["attn_op"] = None
     given = {name: getattr(cfg, name) for name in knob_fields()}  # None: the recommended value
     knobs.update({k: v for k, v in given.items() if v is not None})
     if knobs.get("attn_op") == "model":

@@ -165,6 +165,9 @@ class Runner:
         self.sch = schedule_for(cfg, model, layout, scheduled)
         if layout.tp_group is not None:
             _sum_sequence_parallel_grads(self.sch.mod, layout.tp_group)
+        # attention over the cp ranks, experts split over the ep ranks (None: one process)
+        mesh = layout.parallel_mesh
+        self.context = None if mesh is None else mesh.apply(self.sch.mod)
         self.target = run.target
         options = {**run.use.options(cfg, layout), **run.build_options()}  # device, precision
         self.model, self.optimizer = build(
@@ -184,15 +187,18 @@ class Runner:
 
     def step(self, batch: dict[str, torch.Tensor]) -> float:
         """One optimizer step on ``batch``; returns its loss (the training-loop contract)."""
-        loss = train_step(self.model, to_device(batch, self.run.batch_device)).detach()
+        batch = to_device(batch, self.run.batch_device)
+        if self.context is not None:  # this rank's part of each sequence
+            batch = self.context.model_batch(batch)
+        loss = train_step(self.model, batch).detach()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.layout.dp_size > 1:  # the global batch's loss: the mean over the replicas
+        if self.layout.replicas > 1:  # the global batch's loss: the mean over dp x cp
             loss = loss.float().clone()
-            dist.all_reduce(loss, group=self.layout.dp_group.get_group())
-            loss /= self.layout.dp_size
+            dist.all_reduce(loss, group=self.layout.grad_group.get_group())
+            loss /= self.layout.replicas
         return float(loss)
 
     def state(

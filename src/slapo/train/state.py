@@ -287,12 +287,15 @@ def check_resume(cfg: TrainConfig, rank: int, world: int, identity: dict[str, An
         return path
     state = read_state(path)
     check_model(path, state.get("model"), identity, cfg)
-    saved = (state.get("world"), state.get("tp"), state.get("pp", _stages(cfg)))
-    if saved != (world, cfg.tp, _stages(cfg)):
+    saved = (state.get("world"), state.get("tp"), state.get("pp", _stages(cfg)),
+             state.get("cp", 1), state.get("ep", 1))  # fmt: skip
+    this = (world, cfg.tp, _stages(cfg), cfg.cp, cfg.ep)
+    if saved != this:
+        flags = "--tp {} --pp {} --cp {} --ep {}"
         raise InputError(
-            f"--resume {path} was saved by {saved[0]} process(es) with --tp {saved[1]} --pp "
-            f"{saved[2]}; resume it with as many (this run: {world}, --tp {cfg.tp} --pp "
-            f"{_stages(cfg)}): each rank's data position and RNG streams are its own"
+            f"--resume {path} was saved by {saved[0]} process(es) with {flags.format(*saved[1:])}"
+            f"; resume it with as many (this run: {world}, {flags.format(*this[1:])}): each "
+            "rank's data position and RNG streams are its own"
         )
     step = state.get("step")
     if not isinstance(step, int) or step >= cfg.steps:
@@ -364,6 +367,8 @@ def _state_json(run: RunState) -> dict[str, Any]:
         "step": len(run.record["losses"]),
         "world": run.world,
         "tp": run.cfg.tp,
+        "cp": run.cfg.cp,
+        "ep": run.cfg.ep,
         "pp": _stages(run.cfg),
         "model": run.identity,
         "scheduler": scheduler,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..exceptions import TargetError
-from .presets import CAUSAL, causal_lm_loss
+from .presets import CAUSAL, MODELS, causal_lm_loss
 
 if TYPE_CHECKING:
     from .config import TrainConfig
@@ -78,6 +78,9 @@ class TargetUse:
         whole_estimate: the built model is the schedule's module itself, estimated whole by
             :func:`slapo.estimate_memory` (else per rank by :func:`slapo.estimate_layout`).
         compile_model: the whole-model compilation is recommended on it (where it was measured).
+        context_parallel: ``--cp`` runs on it (its replicas average gradients over dp x cp).
+        expert_parallel: ``--ep`` runs on it (whole replicas: the expert weights' own hooks
+            reduce their gradients, the engine averages the rest).
 
     Example:
         >>> TargetUse(samples=True).checkpoint
@@ -94,10 +97,13 @@ class TargetUse:
     stages: bool = False
     whole_estimate: bool = False
     compile_model: bool = False
+    context_parallel: bool = False
+    expert_parallel: bool = False
 
 
 def _data_parallel_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
-    return {"group": layout.dp_group}  # with --tp, the mesh's "dp" dimension
+    # the ranks averaging gradients: dp x cp (with --tp, the mesh's other dimensions)
+    return {"group": layout.grad_group if layout.grad_group is not None else layout.dp_group}
 
 
 #: ``--target`` values that run with ``--pp`` 2 or more, and how the replicas of a stage then
@@ -107,8 +113,11 @@ PIPELINE_DATA_PARALLEL = {"eager": "ddp", "pipeline": "ddp", "ddp": "ddp", "fsdp
 
 
 def _check_pipeline(cfg: TrainConfig) -> None:
-    if cfg.model not in CAUSAL:
-        raise TargetError(f"--pp supports {CAUSAL} in slapo train, not {cfg.model}")
+    if cfg.model in MODELS and cfg.model not in CAUSAL:  # (a model type: a causal LM)
+        raise TargetError(
+            f"--pp supports causal LMs in slapo train ({', '.join(CAUSAL)} or a transformers "
+            f"causal LM type or directory), not {cfg.model}"
+        )
     if cfg.pp < 2:
         raise TargetError("--target pipeline needs --pp 2 or more (pipeline stages)")
     if cfg.target not in PIPELINE_DATA_PARALLEL:
@@ -143,12 +152,21 @@ def _deepspeed_options(cfg: TrainConfig, layout: Layout) -> dict[str, Any]:
 
 TARGET_USES: dict[str, TargetUse] = {
     # replicas of an eager run average whole gradients: DDP
-    "eager": TargetUse(samples=True, replicas="ddp", whole_estimate=True, compile_model=True),
+    "eager": TargetUse(
+        samples=True,
+        replicas="ddp",
+        whole_estimate=True,
+        compile_model=True,
+        context_parallel=True,
+        expert_parallel=True,
+    ),  # fmt: skip
     # the optimizer steps RoundPipe's CPU copies of the parameters: saved by the model's names
     "roundpipe": TargetUse(),
-    "ddp": TargetUse(options=_data_parallel_options, samples=True),
+    "ddp": TargetUse(
+        options=_data_parallel_options, samples=True, context_parallel=True, expert_parallel=True
+    ),
     # FSDP2's parameters and Adam state are DTensors: gathered whole, re-sharded on resume
-    "fsdp": TargetUse(options=_data_parallel_options),
+    "fsdp": TargetUse(options=_data_parallel_options, context_parallel=True),
     "pipeline": TargetUse(
         options=_pipeline_options,
         checkpoint="full",  # each rank writes its stages' tensors into one directory
@@ -156,6 +174,7 @@ TARGET_USES: dict[str, TargetUse] = {
         check=_check_pipeline,
         baseline=False,  # its stages come from the schedule's cuts
         stages=True,
+        expert_parallel=True,  # with whole replicas (--target ddp)
     ),  # fmt: skip
     # ZeRO's partitioned optimizer state is gathered by parameter (DeepSpeed's own pickles)
     "deepspeed": TargetUse(options=_deepspeed_options),
