@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -35,9 +34,7 @@ from torch import nn
 
 from ..exceptions import TargetError
 from ..sharding import expert_dispatch
-
-# The module, not the function ``slapo.sharding`` re-exports under the same name.
-_ep_module = importlib.import_module("slapo.sharding.expert_parallel")
+from ..sharding import expert_parallel as _ep_module
 
 __all__ = ["opaque_expert_dispatch"]
 
