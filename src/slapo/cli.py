@@ -33,10 +33,12 @@ def _primitives(args: argparse.Namespace) -> int:
 ESTIMATE_HELP = "predict the memory of one training step of slapo train, allocating nothing"
 ESTIMATE_DESCRIPTION = """Predict the peak memory of one training step of the model, schedule,
 optimizer and batch that `slapo train` builds from the same flags, without allocating it: the step
-runs on fake tensors (slapo.estimate_memory). A layout of --dp x --pp x --tp processes is estimated
-for one of them (--rank R, on the ("dp", "pp", "tp") mesh) under the --target engine: FSDP and ZeRO
-shards, a pipeline stage with the microbatches its schedule keeps in flight, tensor-parallel
-shards, RoundPipe's device-resident bytes (slapo.estimate_layout). --precision bf16 or fp16 keeps
+runs on fake tensors (slapo.estimate_memory). A layout of --dp x --pp x --cp x --tp processes is
+estimated for one of them (--rank R, on the ("dp", "pp", "cp", "tp") mesh) under the --target
+engine: FSDP and ZeRO shards, a pipeline stage with the microbatches its schedule keeps in flight,
+tensor-parallel shards, a context-parallel rank's --seq-len / --cp tokens (with the keys and values
+its attention gathers), an expert-parallel rank's experts (--ep), RoundPipe's device-resident
+bytes (slapo.estimate_layout). --precision bf16 or fp16 keeps
 float32 master weights and optimizer state as each engine does; --device cuda estimates for a GPU
 (also on a machine without one) and adds what CUDA's caching allocator reserves. --model takes a
 directory holding only config.json: no weights are read."""
@@ -79,12 +81,12 @@ def _add_estimate(sub: Any) -> None:
                            default=f.default, help=meta["help"])  # fmt: skip
     p.add_argument(
         "--dp", type=int, default=1,
-        help="data-parallel replicas (--batch-size is each one's); the total is dp x pp x tp",
+        help="data-parallel replicas (--batch-size is each one's); the total is dp x pp x cp x tp",
     )  # fmt: skip
     p.add_argument(
         "--rank", type=int, default=0,
-        help='the estimated process\'s rank on the ("dp", "pp", "tp") mesh: '
-        "(dp_rank x pp + stage) x tp + tp_rank",
+        help='the estimated process\'s rank on the ("dp", "pp", "cp", "tp") mesh: '
+        "((dp_rank x pp + stage) x cp + cp_rank) x tp + tp_rank",
     )  # fmt: skip
     p.add_argument(
         "--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1F1B",
@@ -131,7 +133,7 @@ def _estimate(args: argparse.Namespace) -> int:
         return 0 if fits in (None, True) else 1
     from .train.layout import schedule_knobs
 
-    world = args.dp * cfg.pp * cfg.tp
+    world = args.dp * cfg.pp * cfg.cp * cfg.tp
     tp = f", {last.target} rank {args.rank} of {world}" if world > 1 else ""
     knobs = schedule_knobs(cfg)
     from .train.presets import MODELS

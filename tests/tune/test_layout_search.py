@@ -115,7 +115,7 @@ def test_max_procs_skips_the_wide_layouts_before_any_trial(tmp_path, capsys):
         (r["config"]["tp"], r["config"]["dp"]): r for r in records if r["status"] == "skipped"
     }
     assert set(skipped) == {(1, 2), (2, 1), (2, 2)}
-    assert skipped[(2, 2)]["error"] == "needs 4 processes (dp * tp * pp), over --max-procs 1"
+    assert skipped[(2, 2)]["error"] == "needs 4 processes (dp * pp * cp * tp), over --max-procs 1"
     (ran,) = (r for r in records if r["status"] != "skipped")
     assert ran["config"] == {"tp": 1, "dp": 1} and ran["processes"] == 1
     assert ran["error"] == "exited with code 1: not a trainer"  # the reason, through torchrun

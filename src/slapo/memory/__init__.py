@@ -2,8 +2,11 @@
 
 * :mod:`~slapo.memory.estimate`: :func:`estimate_memory`, one fake step of a schedule's module
   (the eager target, or one tensor-parallel rank);
-* :mod:`~slapo.memory.targets`: :func:`estimate_layout`, what one rank of a ``dp x pp x tp``
-  layout holds under ddp, fsdp, deepspeed (ZeRO 1-3), the pipeline (GPipe, 1F1B) or RoundPipe;
+* :mod:`~slapo.memory.targets`: :func:`estimate_layout`, what one rank of a ``dp x pp x cp x tp``
+  layout (with ``ep`` expert parallelism) holds under ddp, fsdp, deepspeed (ZeRO 1-3), the
+  pipeline (GPipe, 1F1B) or RoundPipe;
+* :mod:`~slapo.memory.stand_ins`: what the fake step runs in place of the ops of a
+  mixture-of-experts step that cannot run on fake tensors;
 * :mod:`~slapo.memory.units`: byte sizes as people write them (``"8GiB"``), and what CUDA's
   caching allocator reserves for them (:func:`reserved_bytes`);
 * :mod:`~slapo.memory.measure`: what the estimate is checked against on a real run:
@@ -31,6 +34,7 @@ from .estimate import (
     EstimateError,
     MemoryEstimate,
     estimate_memory,
+    fake_layout_groups,
     fake_process_group,
 )
 from .measure import EngineBytes, LiveSaved
@@ -67,6 +71,7 @@ __all__ = [
     "apply_layout",
     "estimate_layout",
     "estimate_memory",
+    "fake_layout_groups",
     "fake_process_group",
     "format_bytes",
     "memory_size_arg",

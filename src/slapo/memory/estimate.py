@@ -76,6 +76,7 @@ from torch import nn
 
 from ..exceptions import SlapoError
 from ..precision import Precision, PrecisionError
+from .stand_ins import fake_step_stand_ins
 from .units import allocator_rounding, format_bytes, parse_bytes, reserved_bytes
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "EstimateError",
     "MemoryEstimate",
     "estimate_memory",
+    "fake_layout_groups",
     "fake_process_group",
 ]
 
@@ -110,8 +112,9 @@ class MemoryEstimate:
             FSDP's gathered parameters, DeepSpeed's fp32 partition), by name in ``engine_parts``
             (:func:`slapo.estimate_layout`).
         device_resident: RoundPipe only: the most bytes one device holds at once.
-        target, layout, stage: the build target, ``{"dp", "pp", "tp"}`` sizes and the pipeline
-            stage (None without one) this rank's estimate is of.
+        target, layout, stage: the build target, ``{"dp", "pp", "tp"}`` sizes (and ``cp``,
+            ``ep`` where over 1) and the pipeline stage (None without one) this rank's estimate
+            is of.
         precision: the precision the step trains in (``"fp32"``, ``"bf16"``, ``"fp16"``).
         weight_copies: of ``activations``, the compute-dtype copies of weights that autocast
             made and the backward keeps (0 without autocast).
@@ -208,7 +211,7 @@ class MemoryEstimate:
     def table(self, top: int = 12) -> str:
         """A readable report: the parts, the peaks, and the ``top`` blocks by activations."""
         where = "" if self.rank is None else f", rank {self.rank} of {self.world_size}"
-        if self.target != "eager" or self.layout.get("pp", 1) > 1:
+        if self.target != "eager" or any(self.layout.get(k, 1) > 1 for k in ("pp", "cp", "ep")):
             sizes = " x ".join(f"{k}{v}" for k, v in self.layout.items())
             where += f", target {self.target} {sizes}"
             where += "" if self.stage is None else f" (stage {self.stage})"
@@ -292,6 +295,42 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[Any]:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_layout_groups(
+    tp: int = 1, cp: int = 1, ep: int = 1, tp_rank: int = 0
+) -> Iterator[dict[str, Any]]:
+    """Stand in for one rank of a layout with tensor-, context- and expert-parallel groups, in
+    this one process: a fake world of ``tp * cp * ep`` ranks (:func:`fake_process_group`) and a
+    group of each size over 1 (None for a size of 1), this process rank ``tp_rank`` of its tp
+    group and rank 0 of the others (their ranks hold the same shapes: a cp rank as many tokens
+    as any other, an ep rank as many experts).
+
+    Example:
+        >>> with fake_layout_groups(tp=2, cp=2) as groups:
+        ...     cp = context_parallel(model, groups["cp"])
+        ...     est = slapo.estimate_memory(model, cp.model_batch(batch))   # one rank of 4
+        >>> sorted(groups)
+        ['cp', 'ep', 'tp']
+    """
+    import torch.distributed as dist
+
+    sizes = {"tp": tp, "cp": cp, "ep": ep}
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise EstimateError(f"{name} must be a positive int, got {size!r}")
+    if not 0 <= tp_rank < tp:
+        raise EstimateError(f"tp_rank must lie in [0, {tp}), got {tp_rank!r}")
+    with fake_process_group(tp * cp * ep, tp_rank):
+        # disjoint strides: this process is rank tp_rank of its tp group, rank 0 of the others
+        strides = {"tp": 1, "cp": tp, "ep": tp * cp}
+        groups: dict[str, Any] = {}
+        for name, size in sizes.items():
+            first = 0 if name == "tp" else tp_rank
+            ranks = [first + i * strides[name] for i in range(size)]
+            groups[name] = dist.new_group(ranks) if size > 1 else None
+        yield groups
 
 
 # ----- the fake training step --------------------------------------------------------------------
@@ -743,6 +782,7 @@ def estimate_memory(
         with contextlib.ExitStack() as ctx:
             ctx.enter_context(torch.random.fork_rng(devices=[]))
             ctx.enter_context(_uncompiled())
+            ctx.enter_context(fake_step_stand_ins())  # MoE ops that cannot run on fake tensors
             ctx.enter_context(_restore_tensor_attributes(model))
             ctx.enter_context(_reparametrize_module(model, by_name, tie_weights=True, strict=False))
             ctx.enter_context(counter)

@@ -1,4 +1,4 @@
-"""The memory of one rank under every build target and layout: ``dp x pp x tp``.
+"""The memory of one rank under every build target and layout: ``dp x pp x cp x tp``, ``ep``.
 
 :func:`slapo.estimate_memory` runs one fake step of the schedule's own module: that is one rank of
 the ``eager`` target, or one tensor-parallel rank when the schedule is sharded over a (fake or
@@ -57,8 +57,28 @@ Floating-point buffers keep their dtype (DeepSpeed and RoundPipe cast them too: 
 
 Data parallelism composes on each stage of a pipeline (``pp`` > 1 with ``target`` ddp, fsdp or
 deepspeed: the dp engine shards that stage's state), and tensor parallelism within each stage
-(the schedule given is sharded over its ``tp`` group). Ranks lie on a ``("dp", "pp", "tp")`` mesh
-as torchtitan lays them out: ``rank = (dp_rank * pp + stage) * tp + tp_rank``.
+(the schedule given is sharded over its ``tp`` group). Ranks lie on a ``("dp", "pp", "cp", "tp")``
+mesh: ``rank = ((dp_rank * pp + stage) * cp + cp_rank) * tp + tp_rank``.
+
+Context and expert parallelism change what the step itself holds, so the schedule given is
+prepared for them, as for tensor parallelism (over fake groups in one process:
+:func:`~slapo.memory.fake_layout_groups`), and the batch is one rank's:
+
+=============  ====================================================================================
+cp             :func:`slapo.sharding.context_parallel` over a group of ``cp`` ranks, the batch
+               this rank's ``seq_len / cp`` tokens of each sequence
+               (``ContextParallel.model_batch``): the step's activations are those tokens', plus
+               the keys and values each attention gathers (the whole sequence) and its mask and
+               scores (local queries x every key), as the fake step runs them. The data-parallel
+               engine averages gradients over ``dp x cp`` ranks (its shards and buckets are
+               those of ``dp * cp`` replicas); ``eager`` with cp sums them through one flat
+               buffer (``all_reduce_grads``: a transient)
+ep             :func:`slapo.sharding.expert_parallel` over ``ep`` ranks borrowed from dp x cp: the
+               module holds ``num_experts / ep`` experts of each MoE layer, so their parameters,
+               gradients and optimizer state are ``1/ep``; the tokens are routed evenly
+               (:mod:`slapo.memory.stand_ins`). The experts' gradients are reduced by their
+               hooks, not in DDP's buckets
+=============  ====================================================================================
 
 Example:
     >>> with slapo.memory.fake_process_group(2, rank=0) as group:       # tp 2, this is tp rank 0
@@ -151,6 +171,8 @@ class LayoutSpec:
     devices: int = 1
     prefetch: bool = False
     precision: str = "fp32"
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         try:  # a name, an alias or a dtype: kept as its name
@@ -161,7 +183,7 @@ class LayoutSpec:
             raise EstimateError(
                 f"unknown target {self.target!r}: the memory planner models {LAYOUT_TARGETS}"
             )
-        for name in ("dp", "pp", "tp", "num_microbatches", "devices"):
+        for name in ("dp", "pp", "tp", "cp", "ep", "num_microbatches", "devices"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EstimateError(f"{name} must be a positive int, got {value!r}")
@@ -179,13 +201,41 @@ class LayoutSpec:
                 f"target {self.target} has no data-parallel engine: with dp {self.dp} name one "
                 f"(target= {', '.join(_DP_ENGINES)})"
             )
-        if self.target == "roundpipe" and (self.pp > 1 or self.tp > 1):
-            raise EstimateError("target roundpipe runs in one process: pp and tp must be 1")
+        if self.target == "roundpipe" and max(self.pp, self.tp, self.cp, self.ep) > 1:
+            raise EstimateError("target roundpipe runs in one process: pp, tp, cp and ep must be 1")
+        if self.ep > 1 and (self.ep % self.cp or self.replicas % self.ep):
+            raise EstimateError(
+                f"ep {self.ep} borrows its ranks from dp x cp = {self.dp} x {self.cp}: it must "
+                f"divide {self.replicas} and be a multiple of cp {self.cp}"
+            )
 
     @property
     def world(self) -> int:
-        """The number of processes: ``dp * pp * tp``."""
-        return self.dp * self.pp * self.tp
+        """The number of processes: ``dp * pp * cp * tp``."""
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def replicas(self) -> int:
+        """The ranks a stage's data-parallel engine averages gradients over: ``dp * cp`` (the
+        ranks of a cp group hold the same weights, each the gradient of its tokens).
+
+        Example:
+            >>> LayoutSpec("fsdp", dp=2, cp=2).replicas
+            4
+        """
+        return self.dp * self.cp
+
+    def sizes(self) -> dict[str, int]:
+        """The layout's sizes as the estimate reports them: ``dp``, ``pp``, ``tp``, and ``cp``
+        and ``ep`` where over 1.
+
+        Example:
+            >>> LayoutSpec("ddp", dp=2, cp=2, ep=4).sizes()
+            {'dp': 2, 'pp': 1, 'tp': 1, 'cp': 2, 'ep': 4}
+        """
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        sizes.update({k: v for k, v in (("cp", self.cp), ("ep", self.ep)) if v > 1})
+        return sizes
 
     @property
     def casts_module(self) -> bool:
@@ -204,14 +254,23 @@ class LayoutSpec:
         return self.target in ("deepspeed", "roundpipe") or (self.target == "fsdp" and self.pp == 1)
 
     def coords(self) -> tuple[int, int, int]:
-        """``(dp_rank, stage, tp_rank)`` of :attr:`rank` on the ``("dp", "pp", "tp")`` mesh."""
+        """``(dp_rank, stage, tp_rank)`` of :attr:`rank` on the ``("dp", "pp", "cp", "tp")``
+        mesh (its cp rank: :attr:`cp_rank`)."""
         tp_rank = self.rank % self.tp
-        stage = (self.rank // self.tp) % self.pp
-        return self.rank // (self.tp * self.pp), stage, tp_rank
+        stage = (self.rank // (self.tp * self.cp)) % self.pp
+        return self.rank // (self.tp * self.cp * self.pp), stage, tp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        """The context-parallel rank of :attr:`rank`."""
+        return (self.rank // self.tp) % self.cp
 
     def describe(self) -> str:
-        """The layout in words, e.g. ``fsdp dp2 x pp2 x tp2 (1F1B, 4 microbatches)``."""
-        text = f"{self.target} dp{self.dp} x pp{self.pp} x tp{self.tp}"
+        """The layout in words, e.g. ``fsdp dp2 x pp2 x tp2 (1F1B, 4 microbatches)``, with cp
+        and ep where over 1 (``ddp dp2 x pp1 x cp2 x tp1 ep4``)."""
+        text = f"{self.target} dp{self.dp} x pp{self.pp}"
+        text += f" x cp{self.cp}" if self.cp > 1 else ""
+        text += f" x tp{self.tp}" + (f" ep{self.ep}" if self.ep > 1 else "")
         if self.pp > 1:
             text += f" ({self.pipeline_schedule}, {self.num_microbatches} microbatches)"
         if self.target == "deepspeed":
@@ -349,22 +408,36 @@ class _Rank:
 
 
 def _as_is(held: _Held, rank: _Rank) -> None:
-    """eager and a pipeline without replicas: the rank holds what the step estimated."""
+    """eager and a pipeline without replicas: the rank holds what the step estimated; with cp,
+    ``all_reduce_grads`` sums the gradients over the cp group through one flat buffer."""
+    if rank.spec.cp > 1:
+        held.transient = max(held.transient, sum(held.grads) - _hooked_grads(rank))
+
+
+def _hooked_grads(rank: _Rank) -> int:
+    """The gradient bytes of the expert-parallel weights whose own hooks reduce them
+    (``slapo.sharding.reduce_expert_grads``): data-parallel engines leave them out."""
+    from ..sharding.expert_grads import is_reduced_by_hook
+
+    return sum(
+        _local_nbytes(p, rank.module_dtype) for p in rank.mine.values()
+        if p.requires_grad and is_reduced_by_hook(p)
+    )  # fmt: skip
 
 
 def _ddp_model(held: _Held, rank: _Rank) -> None:
-    if rank.spec.dp > 1:
-        _ddp(held, rank.spec)
+    if rank.spec.replicas > 1:
+        _ddp(held, rank.spec, _hooked_grads(rank))
 
 
 def _fsdp_model(held: _Held, rank: _Rank) -> None:
-    if rank.spec.dp > 1 or rank.cast:
+    if rank.spec.replicas > 1 or rank.cast:
         _fsdp(held, rank.spec, rank.module, rank.mine, rank.in_stage, rank.master,
               rank.module_dtype)  # fmt: skip
 
 
 def _deepspeed_model(held: _Held, rank: _Rank) -> None:
-    if rank.spec.dp > 1 or rank.cast:
+    if rank.spec.replicas > 1 or rank.cast:
         _deepspeed(held, rank.spec, rank.cast)
 
 
@@ -374,11 +447,13 @@ def _roundpipe_model(held: _Held, rank: _Rank) -> None:
     held.parts["roundpipe fp32 optimizer copies"] = list(held.masters)
 
 
-def _ddp(held: _Held, spec: LayoutSpec) -> None:
+def _ddp(held: _Held, spec: LayoutSpec, hooked: int = 0) -> None:
+    """DDP's buckets of the gradients it averages: all but the ``hooked`` bytes (expert weights
+    whose own hooks reduce their gradients)."""
     if spec.pp > 1:  # the pipeline's replicas: no buckets kept, a flat buffer per all-reduce
-        held.transient = min(sum(held.grads), PIPELINE_REPLICA_BUCKET_BYTES)
+        held.transient = min(sum(held.grads) - hooked, PIPELINE_REPLICA_BUCKET_BYTES)
         return
-    total, cap = sum(held.grads), PIPELINE_REPLICA_BUCKET_BYTES  # DDP's bucket_cap_mb
+    total, cap = sum(held.grads) - hooked, PIPELINE_REPLICA_BUCKET_BYTES  # DDP's bucket_cap_mb
     held.parts["ddp gradient buckets"] = [min(cap, total - i) for i in range(0, total, cap)]
 
 
@@ -391,9 +466,9 @@ def _fsdp(
     shard_dtype: torch.dtype | None,
     gather_dtype: torch.dtype | None,
 ) -> None:
-    """FSDP2: parameters, gradients (and so the optimizer state) in ``1/dp`` shards of
+    """FSDP2: parameters, gradients (and so the optimizer state) in ``1/(dp * cp)`` shards of
     ``shard_dtype``; parameters gathered in ``gather_dtype`` (a MixedPrecisionPolicy's)."""
-    shard = {i: _fsdp_shard(p, spec.dp, shard_dtype) for i, p in mine.items()}
+    shard = {i: _fsdp_shard(p, spec.replicas, shard_dtype) for i, p in mine.items()}
     held.params = list(shard.values())
     held.grads = [shard[i] for i, p in mine.items() if p.requires_grad]
     held.masters = list(held.grads)
@@ -402,7 +477,7 @@ def _fsdp(
         # unsharded parameters (padding included) and the flat all-gather output they were
         # copied out of, which FSDP2 keeps (``all_gather_state``) until its next all-gather:
         # with one unit per stage, the next step's
-        unsharded = [n * spec.dp for n in held.params]
+        unsharded = [n * spec.replicas for n in held.params]
         held.parts["fsdp gathered parameters"] = [*unsharded, sum(unsharded)]
         return
     in_blocks: dict[str, list[int]] = {}
@@ -424,12 +499,12 @@ def _fsdp(
 def _deepspeed(held: _Held, spec: LayoutSpec, cast: bool) -> None:
     """ZeRO-1/2/3: the optimizer steps this rank's float32 partition (and ZeRO-2 reduces the
     gradients into a partition, ZeRO-3 partitions the parameters too)."""
-    part = math.ceil(sum(held.masters) / spec.dp)
+    part = math.ceil(sum(held.masters) / spec.replicas)
     held.masters = [part]
     if spec.zero_stage >= 2:
-        held.grads = [math.ceil(sum(held.grads) / spec.dp)]
+        held.grads = [math.ceil(sum(held.grads) / spec.replicas)]
     if spec.zero_stage >= 3:
-        held.params = [math.ceil(sum(held.params) / spec.dp)]
+        held.params = [math.ceil(sum(held.params) / spec.replicas)]
     if spec.zero_stage >= 1 or cast:
         held.parts["deepspeed fp32 partition"] = [part]
 
@@ -483,6 +558,7 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         )
     cuts = pipeline_cuts(model) if isinstance(model, Schedule) else []
     module = model.mod if isinstance(model, Schedule) else model
+    _check_prepared(module, spec)
     _, stage, _ = spec.coords()
     stages = 1
     if spec.pp > 1 or spec.target == "roundpipe":
@@ -564,13 +640,43 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         engine_parts=parts,
         device_resident=resident,
         target=target,
-        layout={"dp": spec.dp, "pp": spec.pp, "tp": spec.tp},
+        layout=spec.sizes(),
         stage=stage if spec.pp > 1 else None,
         rank=spec.rank if spec.world > 1 else base.rank,
         world_size=spec.world if spec.world > 1 else base.world_size,
         weight_copies=round(base.weight_copies * scale),
         rounding=rounding,
     )
+
+
+def _check_prepared(module: nn.Module, spec: LayoutSpec) -> None:
+    """Raise unless ``module`` runs the context and expert parallelism of ``spec`` (its attention
+    over a cp group; each MoE layer holding ``1/ep`` of its experts): the fake step estimates
+    the module as it is."""
+    from ..sharding.context_attention import CP_ATTENTION
+    from ..sharding.expert_parallel import ExpertParallelExperts
+
+    how = "(in one process: slapo.memory.fake_layout_groups(cp=..., ep=...))"
+    attention = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    if spec.cp > 1 and attention != CP_ATTENTION:
+        raise EstimateError(
+            f"cp {spec.cp}: {type(module).__name__} runs attention {attention!r}; estimate the "
+            "schedule as a cp rank runs it: slapo.sharding.context_parallel(model, group) over "
+            f"a group of cp ranks {how}, on that rank's batch (ContextParallel.model_batch)"
+        )
+    for path, mod in module.named_modules():
+        experts = getattr(mod, "experts", None)
+        if not isinstance(experts, nn.Module):
+            continue
+        split = isinstance(experts, ExpertParallelExperts)
+        held = experts.num_local if split else getattr(experts, "num_experts", None)
+        total = getattr(experts, "num_experts", None)
+        if isinstance(total, int) and held is not None and held * spec.ep != total:
+            raise EstimateError(
+                f'ep {spec.ep}: "{path}.experts" holds {held} of {total} experts; estimate the '
+                "schedule as an ep rank holds it: slapo.sharding.expert_parallel(model, group) "
+                f"over a group of ep ranks {how}"
+            )
 
 
 # torch.utils.checkpoint.checkpoint's own keywords; the others go to the function
@@ -632,16 +738,24 @@ def estimate_layout(
     devices: int = 1,
     prefetch: bool = False,
     precision: Any = None,
+    cp: int = 1,
+    ep: int = 1,
     **estimate_kwargs: Any,
 ) -> MemoryEstimate:
-    """Predict the memory of one training step of rank ``rank`` of a ``dp x pp x tp`` layout.
+    """Predict the memory of one training step of rank ``rank`` of a ``dp x pp x cp x tp``
+    layout (with ``ep`` expert parallelism).
 
     Args:
         sch: the schedule (its ``cut_pipeline_stage`` cuts make the stages when ``pp`` > 1);
             for ``tp`` > 1 built over a tensor-parallel group of that size
-            (:func:`~slapo.memory.fake_process_group` in one process), as that rank's share.
-        batch: what one data-parallel rank trains on in a step (all its microbatches).
-        target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
+            (:func:`~slapo.memory.fake_process_group` in one process), as that rank's share;
+            for ``cp`` > 1 its attention run over a context-parallel group
+            (:func:`slapo.sharding.context_parallel`), for ``ep`` > 1 its experts split
+            (:func:`slapo.sharding.expert_parallel`; groups in one process:
+            :func:`~slapo.memory.fake_layout_groups`).
+        batch: what one data-parallel rank trains on in a step (all its microbatches); with
+            ``cp`` > 1 this cp rank's part of it (``ContextParallel.model_batch``).
+        target, dp, pp, tp, cp, ep, rank, num_microbatches, pipeline_schedule, zero_stage,
         reshard_after_forward, devices, prefetch: see :class:`LayoutSpec`.
         precision: ``"fp32"`` (None) or mixed ``"bf16"``/``"fp16"``: float32 master weights and
             optimizer state, the compute dtype's activations, applied as the target's engine
@@ -664,10 +778,15 @@ def estimate_layout(
         >>> fsdp = slapo.estimate_layout(sch, batch, target="fsdp", dp=8, precision="bf16")
         >>> fsdp.precision, list(fsdp.engine_parts)
         ('bf16', ['fsdp gathered parameters'])
+        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:          # one rank of cp 2
+        ...     local = slapo.sharding.context_parallel(model, groups["cp"]).model_batch(batch)
+        ...     est = slapo.estimate_layout(model, local, target="ddp", dp=2, cp=2)
+        >>> est.layout
+        {'dp': 2, 'pp': 1, 'tp': 1, 'cp': 2}
     """
     spec = LayoutSpec(
         target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
-        reshard_after_forward, devices, prefetch, precision=precision or "fp32",
+        reshard_after_forward, devices, prefetch, precision=precision or "fp32", cp=cp, ep=ep,
     )  # fmt: skip
     if "cast_params" in estimate_kwargs:
         raise EstimateError(

@@ -175,27 +175,32 @@ def layout_spec(
     precision: Any = None,
 ) -> Any:
     """The :class:`~slapo.memory.LayoutSpec` of rank ``rank`` of a ``slapo train`` run of ``cfg``
-    on ``dp`` data-parallel replicas (default ``cfg.dp`` where the config has it, else 1): the
-    engine a stage's replicas share gradients with, the pipeline's schedule (default
-    ``cfg.pipeline_schedule`` where the config has it, else 1F1B, as slapo train runs) and
-    microbatches, and the precision (default: the config's, :func:`estimate_placement`).
+    on ``dp`` data-parallel replicas (default ``cfg.dp`` where the config has it, else 1), with
+    its ``--cp`` and ``--ep``: the engine a stage's replicas (dp x cp) share gradients with, the
+    pipeline's schedule (default ``cfg.pipeline_schedule`` where the config has it, else 1F1B, as
+    slapo train runs) and microbatches, and the precision (default: the config's,
+    :func:`estimate_placement`).
 
     Example:
         >>> layout_spec(TrainConfig(pp=2, num_microbatches=4), rank=1).describe()
         'pipeline dp1 x pp2 x tp1 (1F1B, 4 microbatches)'
         >>> layout_spec(TrainConfig(target="fsdp", precision="bf16"), dp=8).describe()
         'fsdp dp8 x pp1 x tp1 bf16'
+        >>> layout_spec(TrainConfig(cp=2, ep=2)).describe()     # eager replicas: DDP
+        'ddp dp1 x pp1 x cp2 x tp1 ep2'
     """
     from ..memory import LayoutSpec
     from .uses import DEEPSPEED_ZERO_STAGE, replica_engine
 
     pp = getattr(cfg, "pp", None) or cfg.num_stages
     dp = dp if dp is not None else getattr(cfg, "dp", 1) or 1
+    cp, ep = getattr(cfg, "cp", 1) or 1, getattr(cfg, "ep", 1) or 1
     # the pipeline engine (its replicas share gradients as --target says), or the engine of
-    # the replicas as slapo train builds them (DDP for eager ones)
-    target = replica_engine(cfg.target, pp, dp)
+    # the replicas (dp x cp: the cp ranks average gradients too) as slapo train builds them
+    # (DDP for eager ones)
+    target = replica_engine(cfg.target, pp, dp * cp)
     return LayoutSpec(
-        target=target, dp=dp, pp=pp, tp=cfg.tp, rank=rank,
+        target=target, dp=dp, pp=pp, tp=cfg.tp, cp=cp, ep=ep, rank=rank,
         num_microbatches=cfg.num_microbatches if pp > 1 else 1,
         pipeline_schedule=pipeline_schedule or getattr(cfg, "pipeline_schedule", "1F1B"),
         zero_stage=DEEPSPEED_ZERO_STAGE,
@@ -236,12 +241,52 @@ def estimate_run(runner: Any, batches: Any) -> Any:
             optimizer = _inner_optimizer(runner.optimizer)
             return estimate_memory(runner.sch, batch, optimizer=optimizer, precision=precision)
         layout = runner.layout
-        spec = layout_spec(runner.cfg, layout.rank, layout.dp_size, precision=precision)
+        spec = layout_spec(runner.cfg, _spec_rank(layout), layout.dp_size, precision=precision)
         optimizer = _optimizer_of(runner.optimizer)
-        return _estimate_spec(runner.cfg, spec, batch, layout, optimizer, device)
+        groups = {
+            "cp": getattr(layout, "cp_group", None), "ep": getattr(layout, "ep_group", None),
+            "replicas": getattr(layout, "ep_replicas", None),
+        }  # fmt: skip
+        return _estimate_spec(runner.cfg, spec, batch, layout, optimizer, device, groups)
     except Exception as exc:  # noqa: BLE001  (the estimate is a by-product; the run goes on)
         print(f"slapo train: no memory estimate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None
+
+
+def _spec_rank(layout: Any) -> int:
+    """This process's rank on the estimate's ``("dp", "pp", "cp", "tp")`` mesh
+    (:class:`~slapo.memory.LayoutSpec`), from its coordinates on the run's mesh (whatever order
+    the run lays its dimensions out in); the run's rank where it has no named mesh."""
+    mesh = getattr(layout, "mesh", None)
+    names = getattr(mesh, "mesh_dim_names", None)
+    coords = mesh.get_coordinate() if names else None
+    if not coords:
+        return layout.rank
+    at = dict(zip(names, coords))
+    sizes = dict(zip(names, mesh.mesh.shape))
+    rank = 0
+    for name in ("dp", "pp", "cp", "tp"):
+        rank = rank * sizes.get(name, 1) + at.get(name, 0)
+    return rank
+
+
+def _split_context_experts(model: Any, spec: Any, groups: dict[str, Any], batch: Any) -> Any:
+    """Prepare ``model`` for ``spec``'s context and expert parallelism as ``slapo train`` does
+    (``slapo.sharding.ParallelMesh.apply``): its attention over ``groups["cp"]``, its experts
+    split over ``groups["ep"]``, their gradients reduced by hooks over ``groups["replicas"]``
+    (the ranks holding the same experts; None: none) and averaged over dp x cp. Returns this
+    cp rank's part of ``batch`` (``batch`` itself without cp)."""
+    from ..sharding.context_parallel import context_parallel
+    from ..sharding.expert_grads import reduce_expert_grads
+    from ..sharding.expert_parallel import expert_parallel
+
+    context = None
+    if spec.cp > 1:
+        context = context_parallel(model, groups["cp"])
+    if spec.ep > 1:
+        expert_parallel(model, groups["ep"])
+        reduce_expert_grads(model, groups.get("replicas"), average_over=spec.replicas)
+    return batch if context is None else context.model_batch(batch)
 
 
 def _run_placement(runner: Any) -> tuple[str, Any]:
@@ -295,8 +340,10 @@ def _estimate_spec(
     layout: Any,
     optimizer: tuple[Any, dict[str, Any]],
     device: str | None = None,
+    groups: dict[str, Any] | None = None,
 ) -> Any:
     """``estimate_layout`` of ``cfg``'s model, on the meta device, scheduled over ``layout``,
+    its attention and experts over the cp and ep ``groups`` (:func:`_split_context_experts`),
     for ``device`` (a type; None: the CPU)."""
     from ..initialization import init_empty_weights
     from ..memory import estimate_layout
@@ -308,6 +355,7 @@ def _estimate_spec(
     model.train()
     batch = _within_vocab(batch, model)
     sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
+    batch = _split_context_experts(sch.mod, spec, groups or {}, batch)
     fields = {f.name for f in dataclasses.fields(spec)}
     return estimate_layout(
         sch, batch, **{k: getattr(spec, k) for k in fields},
@@ -330,9 +378,12 @@ def estimate_config(
     unless ``optimizer`` and ``optimizer_kwargs`` name another) and one batch, on ``cfg.device``
     in ``cfg.precision`` (:func:`estimate_placement`). ``cfg.model`` may be a directory that holds
     only a ``config.json``: no weights are read. ``rank`` is the
-    global rank on the ``("dp", "pp", "tp")`` mesh (None: the pipeline stage needing the most,
-    what a memory budget must hold on every rank); with ``cfg.tp > 1`` its tensor-parallel share
-    is estimated in this process over a fake process group. Every target is modelled
+    global rank on the ``("dp", "pp", "cp", "tp")`` mesh (None: the pipeline stage needing the
+    most, what a memory budget must hold on every rank); with ``cfg.tp``, ``cfg.cp`` or ``cfg.ep``
+    over 1 its share is estimated in this process over fake process groups
+    (:func:`slapo.memory.fake_layout_groups`): its tensor-parallel shards, its ``seq_len / cp``
+    tokens of each sequence (with the keys and values its attention gathers), its
+    ``num_experts / ep`` experts of each MoE layer. Every target is modelled
     (:func:`slapo.estimate_layout`); with ``cfg.compare``, the larger of the scheduled and the
     unscheduled run.
 
@@ -344,11 +395,13 @@ def estimate_config(
         ...                   target="fsdp", batch_size=2, seq_len=8192)
         >>> estimate_config(cfg, dp=8).engine_parts["fsdp gathered parameters"] > 0
         True
+        >>> estimate_config(TrainConfig(model="qwen3_moe", cp=2, ep=2)).layout
+        {'dp': 1, 'pp': 1, 'tp': 1, 'cp': 2, 'ep': 2}
     """
     import contextlib
 
     from ..data import ByteBatches, MaskedByteBatches, default_corpus
-    from ..memory import fake_process_group
+    from ..memory import fake_layout_groups
     from .layout import Layout
 
     cfg.check()
@@ -360,10 +413,11 @@ def estimate_config(
         ]
         return max(estimates, key=lambda e: e.required)
     if rank is None:
-        pp, tp = layout_spec(cfg, 0, dp).pp, cfg.tp
+        first = layout_spec(cfg, 0, dp)
+        ranks = [stage * first.cp * first.tp for stage in range(first.pp)]  # dp, cp, tp rank 0
         estimates = [
-            estimate_config(cfg, stage * tp, optimizer, optimizer_kwargs, dp, pipeline_schedule)
-            for stage in range(pp)
+            estimate_config(cfg, r, optimizer, optimizer_kwargs, dp, pipeline_schedule)
+            for r in ranks
         ]
         return max(estimates, key=lambda e: e.required)
     device, precision = estimate_placement(cfg)
@@ -374,10 +428,14 @@ def estimate_config(
     if optimizer is None:
         optimizer, optimizer_kwargs = torch.optim.AdamW, {"lr": cfg.lr}
     with contextlib.ExitStack() as ctx:
-        layout = Layout()
-        if cfg.tp > 1 and not cfg.unscheduled:
-            tp_rank = spec.coords()[2]
-            group = ctx.enter_context(fake_process_group(cfg.tp, tp_rank))
-            layout = Layout(rank=tp_rank, world=cfg.tp, tp_group=group, tp_size=cfg.tp)
+        layout, groups = Layout(), {}
+        tp = cfg.tp if not cfg.unscheduled else 1  # the unscheduled model is not sharded
+        if max(tp, spec.cp, spec.ep) > 1:
+            tp_rank = spec.coords()[2] if tp > 1 else 0
+            groups = ctx.enter_context(fake_layout_groups(tp, spec.cp, spec.ep, tp_rank))
+            if tp > 1:
+                layout = Layout(rank=tp_rank, world=tp, tp_group=groups["tp"], tp_size=tp)
+        # the ranks holding the same experts sum their gradients in a hook (an all-reduce in
+        # place: no bytes kept), left out of the fake step (groups["replicas"] is None)
         spec_args = (optimizer, dict(optimizer_kwargs or {}))
-        return _estimate_spec(cfg, spec, batches.next(), layout, spec_args, device)
+        return _estimate_spec(cfg, spec, batches.next(), layout, spec_args, device, groups)

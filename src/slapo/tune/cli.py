@@ -11,8 +11,8 @@ trial runs: the config file's ``estimate_memory(args, cfg)`` estimates them, or,
 ``slapo train`` command, slapo itself (see :mod:`slapo.tune.memory`; ``slapo tune`` registers
 it, the standalone ``python -m slapo.tune.cli`` does not).
 
-Layouts are symbols too: a configuration with ``tp``, ``pp`` or ``dp`` runs its trial under
-torchrun on ``dp * tp * pp`` processes (:mod:`slapo.tune.launch`; ``--max-procs`` skips those
+Layouts are symbols too: a configuration with ``tp``, ``pp``, ``cp`` or ``dp`` runs its trial under
+torchrun on ``dp * pp * cp * tp`` processes (:mod:`slapo.tune.launch`; ``--max-procs`` skips those
 needing more), e.g. ``slapo tune --config examples/tune_layouts.py --db layouts.json
 --memory-budget 32MiB -- slapo train --model llama --steps 20 --no-progress --json``.
 """
@@ -180,7 +180,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="skip, before any trial, the layouts (tp, pp, dp symbols) that need more than N "
-        "processes (dp * tp * pp)",
+        "processes (dp * pp * cp * tp)",
     )
     p.add_argument(
         "trial_command",

@@ -1,10 +1,12 @@
 """A trial's command line: the configuration's flags, and the launcher a layout needs.
 
-Layouts are tuning symbols: a trial of ``tp``/``pp``/``dp`` runs on ``dp * tp * pp`` processes. A
-configuration that holds any of :data:`LAYOUT_SYMBOLS` is launched under torchrun, one process
-per rank of its layout; ``tp`` and ``pp`` stay flags of the trial (``--tp 2 --pp 2``), ``dp`` does
-not: the data-parallel replicas are the processes left over (``slapo train`` runs
-dp = processes / (tp * pp)). A ``slapo train`` command becomes ``python -m torch.distributed.run
+Layouts are tuning symbols: a trial of ``tp``/``pp``/``cp``/``dp`` runs on ``dp * pp * cp * tp``
+processes. A configuration that holds any of :data:`LAYOUT_SYMBOLS` is launched under torchrun, one
+process per rank of its layout; ``tp``, ``pp`` and ``cp`` stay flags of the trial (``--tp 2 --pp
+2``), ``dp`` does not: the data-parallel replicas are the processes left over (``slapo train`` runs
+dp = processes / (tp * pp * cp)). ``ep`` is a flag too (``--ep``) and takes no processes of its
+own: expert parallelism borrows its ranks from dp x cp (:func:`expert_sizes` lists the sizes that
+fit a layout). A ``slapo train`` command becomes ``python -m torch.distributed.run
 --nproc-per-node N --master-port PORT -m slapo train ...``; any other command runs under torchrun's
 ``--no-python`` (it reads its rank from ``RANK``/``WORLD_SIZE``, as torchrun sets them).
 
@@ -31,6 +33,7 @@ __all__ = [
     "LAYOUT_SYMBOLS",
     "check_launchable",
     "config_to_flags",
+    "expert_sizes",
     "free_port",
     "launch_argv",
     "layout_processes",
@@ -38,12 +41,12 @@ __all__ = [
 ]
 
 #: Symbols that lay a trial out over processes: their product is the number of processes.
-LAYOUT_SYMBOLS = ("dp", "pp", "tp")
+LAYOUT_SYMBOLS = ("dp", "pp", "cp", "tp")
 #: Layout symbols the launcher carries (as the process count), never passed as flags.
 LAUNCHER_SYMBOLS = ("dp",)
 
 # Command-line spellings of tp and pp in a `slapo train` command (--num-stages: pp's old name).
-_FLAG_NAMES = {"tp": ("--tp",), "pp": ("--pp", "--num-stages")}
+_FLAG_NAMES = {"tp": ("--tp",), "pp": ("--pp", "--num-stages"), "cp": ("--cp",)}
 _LAUNCHERS = ("torchrun", "torch.distributed.run", "torch.distributed.launch")
 
 
@@ -78,13 +81,32 @@ def _flag_value(command: Sequence[str], names: Sequence[str]) -> str | None:
     return found
 
 
+def expert_sizes(dp: int, cp: int = 1, num_experts: int | None = None) -> list[int]:
+    """The expert-parallel sizes a layout of ``dp`` replicas and ``cp`` can run: ep borrows its
+    ranks from dp x cp, so it divides ``dp * cp`` and is a multiple of ``cp`` (1 always fits),
+    and it divides ``num_experts`` (when given).
+
+    Example:
+        >>> expert_sizes(dp=4), expert_sizes(dp=2, cp=2), expert_sizes(dp=4, num_experts=6)
+        ([1, 2, 4], [1, 2, 4], [1, 2])
+    """
+    ranks = _size("dp", dp) * _size("cp", cp)
+    return [1] + [
+        e for e in range(2, ranks + 1)
+        if ranks % e == 0 and e % cp == 0 and (num_experts is None or num_experts % e == 0)
+    ]  # fmt: skip
+
+
 def layout_processes(cfg: Mapping[str, Value], command: Sequence[str] = ()) -> int | None:
-    """The processes a trial of ``cfg`` runs on: ``dp * tp * pp``, or None when ``cfg`` holds no
-    layout symbol (the trial then runs the command as it is). A ``tp``/``pp`` the configuration
-    lacks is read from the command's flags (``slapo train --pp 2`` with a ``tp`` symbol).
+    """The processes a trial of ``cfg`` runs on: ``dp * pp * cp * tp``, or None when ``cfg``
+    holds no layout symbol (the trial then runs the command as it is). A ``tp``/``pp``/``cp`` the
+    configuration lacks is read from the command's flags (``slapo train --pp 2`` with a ``tp``
+    symbol); ``ep`` takes no processes of its own.
 
     Example:
         >>> layout_processes({"tp": 2}, ["slapo", "train", "--num-stages", "2"])
+        4
+        >>> layout_processes({"dp": 2, "cp": 2, "ep": 4})
         4
         >>> layout_processes({"batch_size": 8}) is None
         True
@@ -152,7 +174,7 @@ def check_launchable(command: Sequence[str]) -> None:
             raise ValueError(
                 f"the command runs under {tok}, and the tuning space has layout symbols "
                 f"({', '.join(LAYOUT_SYMBOLS)}): drop the launcher: slapo tune starts each "
-                "trial on dp * tp * pp processes"
+                "trial on dp * pp * cp * tp processes"
             )
 
 

@@ -227,7 +227,7 @@ def run_trial(
     """Run ``command`` with the flags of ``cfg`` and classify the outcome.
 
     A configuration with layout symbols (``tp``, ``pp``, ``dp``) runs under torchrun on
-    ``dp * tp * pp`` processes (:func:`slapo.tune.launch.launch_argv`). The result is the last
+    ``dp * pp * cp * tp`` processes (:func:`slapo.tune.launch.launch_argv`). The result is the last
     JSON object line the command prints to stdout; it must hold a finite number under
     ``objective``. Non-zero exit, an out-of-memory message, a timeout or a missing result are
     failures with a status, the reason (the last line the trial wrote to stderr) and a tail of

@@ -84,8 +84,8 @@ class Tuner:
     screens every configuration still to measure before the first trial: those that need more
     are recorded as ``"skipped"`` with the reason and never run (see :mod:`slapo.tune.memory`).
 
-    A configuration with layout symbols (``tp``, ``pp``, ``dp``) runs on ``dp * tp * pp``
-    processes under torchrun (:mod:`slapo.tune.launch`); with ``max_procs``, those needing more
+    A configuration with layout symbols (``tp``, ``pp``, ``cp``, ``dp``) runs on
+    ``dp * pp * cp * tp`` processes under torchrun (:mod:`slapo.tune.launch`); with ``max_procs``, those needing more
     are skipped the same way, before any trial (and before any estimate).
 
     Example:
@@ -254,9 +254,8 @@ class Tuner:
             for i in pending:
                 procs = self.procs[i]
                 if procs is not None and procs > self.max_procs:
-                    reason = (
-                        f"needs {procs} processes (dp * tp * pp), over --max-procs {self.max_procs}"
-                    )
+                    reason = f"needs {procs} processes (dp * pp * cp * tp), over --max-procs "
+                    reason += str(self.max_procs)
                     self._skip(i, reason, {"processes": procs, "max_procs": self.max_procs})
                     over.add(i)
         if self.memory_budget is not None:
