@@ -17,10 +17,10 @@ model (no context parallelism), as ``slapo train --cp 1`` runs it.
 The table: cp, the longest sequence the estimate allows, the estimated and measured peak there,
 the estimated and measured live peak (``required``: what the budget holds), tokens/s, the
 longest sequence over cp 1's, and the share of the estimated activations kept by the attention
-modules (with cp, the keys and values gathered and a dense (local queries x all keys) mask:
-quadratic in the sequence, where cp 1's fused causal attention keeps linear bytes). With a small
-vocabulary that mask outweighs the rest (``--vocab 256``: cp 2 fits fewer tokens than cp 1);
-with a tokenizer's (the default, Llama 2's 32000) the logits, linear in the tokens, weigh most.
+modules (with cp, the keys and values gathered, the output and its log-sum-exp: linear in the
+sequence, as cp 1's fused causal attention; the mask-free kernels of
+``slapo.sharding.context_kernels``). With a small vocabulary (``--vocab 256``) the attention
+weighs more; with a tokenizer's (the default, Llama 2's 32000) the logits weigh most.
 
     python benchmarks/long_context.py [--budget 1GiB] [--hidden 128] [--layers 2] [--vocab 32000]
 """

@@ -74,7 +74,7 @@ def test_each_cp_rank_is_estimated_within_10_percent():
     whole = slapo.estimate_memory(J.llama(meta=True), J.batch(), device="cpu")
     for real in reports:
         _check(est, real)
-    # half the tokens, plus the gathered keys and values and the (local x all keys) mask
+    # half the tokens, plus the gathered keys and values (mask-free attention: linear)
     assert 0.4 * whole.activations < est.activations < 0.75 * whole.activations
     assert est.layout == {"dp": 1, "pp": 1, "tp": 1, "cp": 2}
     # eager cp sums the gradients through one flat buffer after the backward: a transient

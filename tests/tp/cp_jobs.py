@@ -11,6 +11,7 @@ import transformers
 from torch import nn
 
 from dist_utils import run_checks
+from slapo.sharding.context_attention import PATH_CALLS
 from slapo.sharding.context_parallel import all_reduce_grads, context_parallel
 
 SEQ = 16  # divides by 2 * 4
@@ -93,7 +94,13 @@ def check_equal(family: str, padded: bool = False, group=None, **config: object)
     model = copy.deepcopy(ref)
     data = batch(padded)
     ref_loss, ref_grads = reference(ref, data)
+    before = PATH_CALLS.copy()
     loss, grads = cp_step(model, data, group)
+    # which attention ran: dense (masked) SDPA with padding, the mask-free kernels without
+    ran = {path: PATH_CALLS[path] - before[path] for path in ("mask_free", "dense")}
+    layers = model.config.num_hidden_layers
+    assert ran == ({"mask_free": 0, "dense": layers} if padded else
+                   {"mask_free": layers, "dense": 0}), ran  # fmt: skip
     torch.testing.assert_close(loss, ref_loss)
     assert set(grads) == set(ref_grads)
     for name, grad in ref_grads.items():

@@ -6,15 +6,19 @@ to ``AttentionMaskInterface``), so every model whose attention modules call
 
 Each rank holds its queries, keys and values for its two chunks of the sequence
 (:mod:`.context_layout`). The attention all-gathers K and V over the group (the backward
-reduce-scatters their gradients back to the owner ranks), puts them in global order, and runs
-SDPA of the local queries against every key with a mask built from global positions: causal, and
-the user's 2-D padding mask (gathered the same way) if one was given.
+reduce-scatters their gradients back to the owner ranks) and puts them in global order. Without a
+padding mask or dropout it then runs mask-free (:mod:`.context_kernels`: per query chunk, a fused
+kernel over the fully visible prefix and one over the causal diagonal block, merged by their
+log-sum-exps), so the bytes kept for backward stay linear in the sequence. With the user's 2-D
+padding mask (gathered the same way) or dropout, it runs SDPA of the local queries against every
+key with a dense mask built from global positions.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
+from collections import Counter
 from typing import Any
 
 import torch
@@ -22,7 +26,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .collectives import all_gather
-from .context_layout import ContextParallelError, gather_sequence, global_order, local_positions
+from .context_kernels import chunked_causal_attention
+from .context_layout import (
+    ContextParallelError,
+    gather_sequence,
+    global_order,
+    local_chunks,
+    local_positions,
+)
 from .groups import group_rank, group_size
 
 __all__ = ["CP_ATTENTION", "register", "find_attention_modules", "bind_attention"]
@@ -33,6 +44,8 @@ CP_ATTENTION = "slapo_cp"
 # no reference to a process group (a deepcopy of the model would try to copy it).
 _BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _USES_INTERFACE: dict[type, bool] = {}
+# how many attention calls ran each path ("mask_free" or "dense"): lets tests see which one ran
+PATH_CALLS: Counter = Counter()
 
 
 def _uses_interface(cls: type) -> bool:
@@ -130,6 +143,30 @@ def cp_attention_forward(
         )
     world, rank = group_size(group), group_rank(group, path)
     key, value = _gather_kv(key, group, world), _gather_kv(value, group, world)
+    if attention_mask is None and dropout == 0.0:
+        PATH_CALLS["mask_free"] += 1
+        out = chunked_causal_attention(query, key, value, local_chunks(rank, world), scaling)
+    else:
+        PATH_CALLS["dense"] += 1
+        out = _dense_attention(query, key, value, attention_mask, group, rank, world, dropout,
+                               scaling)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _dense_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    group: Any,
+    rank: int,
+    world: int,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """SDPA of the local queries against every (gathered) key with a dense mask of global
+    positions: causal, and the 2-D padding mask gathered over the group. O(S^2 / cp) bytes, for
+    what the mask-free path cannot run (padding, dropout)."""
     seq = key.shape[2]
     q_pos = local_positions(seq, rank, world, query.device)
     mask = q_pos[:, None] >= torch.arange(seq, device=query.device)[None, :]  # causal, global
@@ -140,10 +177,9 @@ def cp_attention_forward(
         repeat = query.shape[1] // key.shape[1]
         key = key.repeat_interleave(repeat, dim=1)
         value = value.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(
+    return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling
     )
-    return out.transpose(1, 2).contiguous(), None
 
 
 def cp_mask(*, attention_mask: torch.Tensor | None = None, **_: Any) -> torch.Tensor | None:

@@ -13,8 +13,10 @@ A training step with a transformers causal LM:
 
 The sequence layout is load-balanced (:mod:`.context_layout`); the attention all-gathers K and V
 (:mod:`.context_attention`), as Llama 3 was trained: with grouped-query attention K and V are
-small next to Q, one all-gather is one collective per layer, and any mask (causal, padding) stays
-an ordinary dense mask over global positions.
+small next to Q and one all-gather is one collective per layer. Without padding, each local query
+chunk attends its fully visible prefix and its causal diagonal block with fused kernels, merged
+by their log-sum-exps (:mod:`.context_kernels`): linear memory in the sequence. A padding mask
+takes a dense (local queries x all keys) mask over global positions instead.
 """
 
 from __future__ import annotations
