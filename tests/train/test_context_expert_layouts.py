@@ -44,9 +44,9 @@ def test_dp2_cp2_tp2_follows_the_one_process_curve(tmp_path):
     """dp 2 x cp 2 x tp 2 on 8 processes (Llama's ready schedule, tensor parallel inside each
     cp rank): the one-process curve of the global batch (4 x dp 2)."""
     out = tmp_path / "run"
-    flags = ["--cp", "2", "--tp", "2", "--batch-size", "4"]
+    flags = ["--cp", "2", "--tp", "2", "--batch-size", "4", "--steps", "12"]  # 8 processes
     got, metrics = losses_of(torchrun(8, flags, out), out)
-    same_curve(got, one_process(8))
+    same_curve(got, one_process(8, steps=12), steps=12)
     assert metrics["layout"] == "dp 2 x pp 1 x cp 2 x tp 2 (8 processes)"
 
 
@@ -108,9 +108,9 @@ def test_dp2_ep2_pp2_follows_the_one_process_curve(tmp_path):
     their experts, tokens cross to the other replica's experts inside the pipeline (the traced
     stages call the dispatch as one op); the one-process curve of the global batch (4 x dp 2)."""
     out = tmp_path / "run"
-    flags = [*MOE, "--ep", "2", "--pp", "2", "--batch-size", "4"]
+    flags = [*MOE, "--ep", "2", "--pp", "2", "--batch-size", "4", "--steps", "12"]
     got, metrics = losses_of(torchrun(4, flags, out), out)
-    same_curve(got, one_process(8, model="qwen3_moe"))
+    same_curve(got, one_process(8, steps=12, model="qwen3_moe"), steps=12)
     assert metrics["layout"] == "dp 2 x pp 2 x tp 1, ep 2 (4 processes)"
 
 
