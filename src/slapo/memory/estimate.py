@@ -782,7 +782,7 @@ def estimate_memory(
         with contextlib.ExitStack() as ctx:
             ctx.enter_context(torch.random.fork_rng(devices=[]))
             ctx.enter_context(_uncompiled())
-            ctx.enter_context(fake_step_stand_ins())  # MoE ops that cannot run on fake tensors
+            ctx.enter_context(fake_step_stand_ins(model))  # MoE ops that cannot run on fakes
             ctx.enter_context(_restore_tensor_attributes(model))
             ctx.enter_context(_reparametrize_module(model, by_name, tie_weights=True, strict=False))
             ctx.enter_context(counter)

@@ -8,6 +8,10 @@ stand-in that allocates what the real op allocates:
   ``torch._grouped_mm``, whose shape check (its fake kernel) accepts bf16 inputs only: the fake
   step runs transformers' own fallback op instead (``transformers::grouped_mm_fallback``: the same
   output and saved tensors, with a fake kernel of its own);
+* older transformers (e.g. 5.15) run that fallback's backward as a Python loop over the routing's
+  offsets (``tolist``): the fake step runs each experts module of a
+  layout slapo knows (:data:`slapo.sharding.expert_parallel.LAYOUTS`) on evenly routed rows
+  instead, expert by expert, as the loop does;
 * the expert-parallel dispatch (:func:`slapo.sharding.expert_dispatch.dispatch_combine`) sizes its
   all-to-all by the routing (``bincount``, ``tolist``): the fake step routes evenly instead, every
   rank sending and receiving ``tokens * top_k / ep`` rows to and from each rank and each local
@@ -28,7 +32,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["balanced_dispatch_combine", "even_splits", "fake_step_stand_ins"]
+__all__ = [
+    "balanced_dispatch_combine",
+    "balanced_local_experts",
+    "even_splits",
+    "fake_step_stand_ins",
+]
 
 
 def even_splits(total: int, parts: int) -> list[int]:
@@ -82,6 +91,65 @@ def balanced_dispatch_combine(
     return torch.zeros_like(hidden).index_add(0, token_of, weighted.to(hidden.dtype))
 
 
+def balanced_local_experts(
+    hidden: torch.Tensor,
+    expert_ids: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    expert_fn: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The experts of one process on evenly routed rows: each expert gets an equal share of the
+    ``tokens * top_k`` (token, expert) pairs, gathered, run and added back weighted, as a loop over
+    the experts does (see the module doc).
+
+    Example:
+        >>> x, ids, w = torch.ones(3, 2), torch.tensor([[0, 1]] * 3), torch.full((3, 2), 0.5)
+        >>> balanced_local_experts(x, ids, w, 2, lambda j, rows: rows * (j + 1)).tolist()
+        [[1.5, 1.5], [1.5, 1.5], [1.5, 1.5]]
+    """
+    tokens, top_k = expert_ids.shape
+    order = torch.argsort(expert_ids.reshape(-1), stable=True)
+    token_of = torch.arange(tokens, device=hidden.device).repeat_interleave(top_k)[order]
+    chunks = torch.split(token_of, even_splits(tokens * top_k, num_experts))
+    flat_weights = weights.reshape(-1)[order]
+    out = torch.zeros_like(hidden)
+    start = 0
+    for j, rows in enumerate(chunks):
+        w = flat_weights[start : start + rows.shape[0], None]
+        out = out.index_add(0, rows, (expert_fn(j, hidden[rows]) * w).to(hidden.dtype))
+        start += rows.shape[0]
+    return out
+
+
+def _looped_experts_forward(module: Any) -> Callable[..., torch.Tensor]:
+    from ..sharding.expert_parallel import LAYOUTS
+
+    layout = LAYOUTS[type(module).__name__]
+
+    def forward(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        return balanced_local_experts(
+            hidden, top_k_index, top_k_weights, module.num_experts,
+            lambda j, rows: layout.expert(module, j, rows),
+        )  # fmt: skip
+
+    return forward
+
+
+@contextlib.contextmanager
+def _looped_experts(model: Any) -> Iterator[None]:
+    """Each experts module of ``model`` with a known layout runs :func:`balanced_local_experts`."""
+    from ..sharding.expert_parallel import LAYOUTS
+
+    modules = [m for m in model.modules() if type(m).__name__ in LAYOUTS]
+    for m in modules:
+        m.forward = _looped_experts_forward(m)
+    try:
+        yield
+    finally:
+        for m in modules:
+            del m.forward  # back to the class's
+
+
 @contextlib.contextmanager
 def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
     original = getattr(module, name)
@@ -93,16 +161,21 @@ def _patched(module: Any, name: str, value: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_step_stand_ins() -> Iterator[None]:
-    """Run the fake step with the stand-ins of the module doc (each only where its module is
-    importable: transformers' MoE integration, slapo's expert parallelism)."""
+def fake_step_stand_ins(model: Any = None) -> Iterator[None]:
+    """Run the fake step (of ``model``) with the stand-ins of the module doc (each only where its
+    module is importable: transformers' MoE integration, slapo's expert parallelism)."""
     with contextlib.ExitStack() as ctx:
         try:
             from transformers.integrations import moe
         except ImportError:  # an older transformers: no fused experts
             moe = None
-        if moe is not None and hasattr(moe, "_can_use_grouped_mm"):
+        # the fallback's backward runs on fakes where it is an op of its own (transformers 5.2x);
+        # before, it loops over the routing's offsets in Python (5.15)
+        fallback_runs = hasattr(moe, "_grouped_mm_fallback_backward_fake")
+        if moe is not None and hasattr(moe, "_can_use_grouped_mm") and fallback_runs:
             ctx.enter_context(_patched(moe, "_can_use_grouped_mm", lambda *_a, **_k: False))
+        elif model is not None:  # experts looped over in Python: evenly routed rows
+            ctx.enter_context(_looped_experts(model))
         # the module (the package's attribute of that name is the function)
         experts = importlib.import_module("slapo.sharding.expert_parallel")
         ctx.enter_context(_patched(experts, "dispatch_combine", balanced_dispatch_combine))
