@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from context_attention_oracle import NAMES, check_bfloat16, dense, run
 from slapo.sharding.context_kernels import chunked_causal_attention
 
 pytestmark = [
@@ -23,15 +23,6 @@ pytestmark = [
 CASES = [((0, 3), 4, 5), ((1, 2), 4, 40), ((0, 7), 8, 32), ((2, 5), 8, 70)]
 
 
-def dense(q, k, v, chunks, scale=None):
-    length, seq = q.shape[2] // len(chunks), k.shape[2]
-    pos = torch.cat([torch.arange(length, device=q.device) + c * length for c in chunks])
-    mask = pos[:, None] >= torch.arange(seq, device=q.device)[None, :]
-    r = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
 def inputs(chunks, n_chunks, length, dtype, kv_heads=2):
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(2, 4, len(chunks) * length, 64), (2, kv_heads, n_chunks * length, 64)]
@@ -39,11 +30,6 @@ def inputs(chunks, n_chunks, length, dtype, kv_heads=2):
     k, v = (torch.randn(shapes[1], generator=g, device="cuda") for _ in range(2))
     grad = torch.randn(q.shape, generator=g, device="cuda")
     return [t.to(dtype).requires_grad_(True) for t in (q, k, v)], grad.to(dtype)
-
-
-def run(fn, qkv, grad, *args):
-    out = fn(*qkv, *args)
-    return (out, *torch.autograd.grad(out, qkv, grad))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
@@ -63,11 +49,6 @@ def test_bfloat16_equals_dense_sdpa(chunks, n_chunks, length):
     """bf16 in, bf16 out: against the float32 reference on the same inputs, ours errs at most 2x
     the dense bf16 path + 1e-2 (the same rule as the CPU test)."""
     qkv, grad = inputs(chunks, n_chunks, length, torch.bfloat16)
-    got = run(chunked_causal_attention, qkv, grad, chunks)
-    assert all(t.dtype == torch.bfloat16 for t in got)
-    bf16 = run(dense, qkv, grad, chunks)
-    ref_qkv = [t.detach().float().requires_grad_(True) for t in qkv]
-    ref = run(dense, ref_qkv, grad.float(), chunks)
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, bf16, ref):
-        ours, theirs = (a.float() - r).abs().max(), (b.float() - r).abs().max()
-        assert ours <= 2 * theirs + 1e-2, f"{name}: error {ours} vs dense bf16 {theirs}"
+    got, bf16, _ = check_bfloat16(qkv, grad, chunks)
+    for name, a, b in zip(NAMES, got, bf16):
+        torch.testing.assert_close(a, b, msg=lambda m, n=name: f"{n}: {m}")

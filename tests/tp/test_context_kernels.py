@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from context_attention_oracle import NAMES, check_bfloat16, dense, run
 from slapo.sharding.context_kernels import chunked_causal_attention
 from slapo.sharding.context_layout import ContextParallelError, local_chunks
 
 # (chunk indices, number of chunks in the sequence): every rank of cp 2 and cp 4, and one chunk
 LAYOUTS = [(local_chunks(r, w), 2 * w) for w in (2, 4) for r in range(w)] + [((0,), 1)]
-
-
-def dense(q, k, v, chunks, scale=None):
-    """Plain SDPA with the dense causal mask of the chunks' global positions."""
-    length, seq = q.shape[2] // len(chunks), k.shape[2]
-    pos = torch.cat([torch.arange(length) + c * length for c in chunks])
-    mask = pos[:, None] >= torch.arange(seq)[None, :]
-    r = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def inputs(chunks, n_chunks, heads=4, kv_heads=2, length=5, dtype=torch.float32, seed=0):
@@ -32,11 +22,6 @@ def inputs(chunks, n_chunks, heads=4, kv_heads=2, length=5, dtype=torch.float32,
     v = torch.randn(2, kv_heads, n_chunks * length, 16, generator=g)
     grad = torch.randn(q.shape, generator=g)
     return [t.to(dtype).requires_grad_(True) for t in (q, k, v)], grad.to(dtype)
-
-
-def run(fn, qkv, grad, *args):
-    out = fn(*qkv, *args)
-    return (out, *torch.autograd.grad(out, qkv, grad))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -56,14 +41,8 @@ def test_bfloat16_equals_dense_sdpa(chunks, n_chunks):
     float32 reference on the same inputs; ours may err at most 2x the dense bf16 path + 1e-2
     (each part's output rounds to bf16 before the merge, and dk/dv of up to 4 parts add up)."""
     qkv, grad = inputs(chunks, n_chunks, dtype=torch.bfloat16)
-    got = run(chunked_causal_attention, qkv, grad, chunks)
-    assert all(t.dtype == torch.bfloat16 for t in got)
-    bf16 = run(dense, qkv, grad, chunks)
-    ref_qkv = [t.detach().float().requires_grad_(True) for t in qkv]
-    ref = run(dense, ref_qkv, grad.float(), chunks)
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), got, bf16, ref):
-        ours, theirs = (a.float() - r).abs().max(), (b.float() - r).abs().max()
-        assert ours <= 2 * theirs + 1e-2, f"{name}: error {ours} vs dense bf16 {theirs}"
+    got, _, ref = check_bfloat16(qkv, grad, chunks)
+    for name, a, r in zip(NAMES, got, ref):
         torch.testing.assert_close(a.float(), r, rtol=2e-2, atol=4e-2, msg=name)
 
 
