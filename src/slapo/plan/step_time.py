@@ -1,0 +1,460 @@
+"""``predict_step``: the seconds of one training step of one rank of a layout, on a cluster.
+
+The counts come from the fake training step the memory planner runs
+(:func:`slapo.memory.estimate_layout`): while it runs, a dispatch mode (:class:`StepCounter`)
+sees every aten op of the forward, the backward (recompute of checkpointed blocks included, as
+it runs there) and the optimizer step, on fake tensors, and counts
+
+* ``matmul``: the FLOPs of ``mm``/``addmm``/``bmm``/convolutions, by the formulas
+  ``torch.utils.flop_counter`` (``FlopCounterMode``) uses (``flop_registry``);
+* ``attention``: fused attention kernels: ``4 b h s_q s_k d`` forward, halved when causal (the
+  kernels skip the masked half), and 2.5x that backward (FlashAttention's backward recomputes
+  the scores: five matmuls to the forward's two);
+* ``memory``: every other op that makes new data (views are free): the bytes it reads and
+  writes, at the device's memory bandwidth;
+* ``collective``: functional collectives the step runs (tensor or context parallel groups):
+  bytes per rank of a ring (all-reduce ``2 (n-1)/n``, all-gather ``(n-1)`` x the input,
+  reduce-scatter and all-to-all ``(n-1)/n``).
+
+The data-parallel engine's collectives do not run in the fake step; they follow from the
+parameters (what FSDP2 and DDP move): FSDP2 all-gathers every unit's parameters in the compute
+dtype in forward and again in backward (``reshard_after_forward=True``) and reduce-scatters the
+gradients in ``reduce_dtype`` (float32 by default, torchtitan's too); DDP all-reduces them. A
+pipeline sends one boundary activation per microbatch each way.
+
+Seconds: each kind at the :class:`~slapo.plan.hardware.DeviceSpec`'s achievable rate; a
+collective on the link its group crosses (:meth:`ClusterSpec.link_for`; dp spans ``pp*cp*tp``
+consecutive ranks per member). Overlap as the engines overlap: FSDP2 prefetches the next unit's
+all-gather during the current one's compute and runs reduce-scatters beside the backward, so
+only the first unit's all-gather, the last unit's reduce-scatter and what exceeds the compute of
+its phase are exposed; DDP's bucketed all-reduce overlaps the backward but its last bucket (25
+MiB); tensor/context-parallel collectives and pipeline sends are exposed (no async TP). A
+pipeline of ``pp`` stages and ``m`` microbatches (GPipe, 1F1B) runs ``m + pp - 1`` microbatch
+slots of one stage (stages taken as balanced: the model's compute / ``pp``): the bubble is
+``(pp-1)/(m+pp-1)`` of the step.
+
+``compile=True`` models ``torch.compile`` of the blocks: memory-bound traffic of forward and
+backward is cut by :data:`COMPILE_MEMORY_TRAFFIC` (fusion) and activations by
+:data:`COMPILE_ACTIVATIONS` (the compiler saves less for backward).
+
+Example:
+    >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
+    >>> pred = predict_step(sch, batch, cluster, target="fsdp", dp=8, precision="bf16")
+    >>> print(pred)          # seconds, tokens/s per GPU, MFU, memory and their top terms
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from ..exceptions import SlapoError
+from ..memory import MemoryEstimate, estimate_layout, format_bytes
+from ..throughput import model_flops_per_token
+from .hardware import ClusterSpec
+
+__all__ = [
+    "COMPILE_ACTIVATIONS",
+    "COMPILE_MEMORY_TRAFFIC",
+    "PlanError",
+    "StepCounter",
+    "StepPrediction",
+    "predict_step",
+]
+
+#: Fraction of the eager memory-bound bytes a compiled forward/backward moves. An assumption
+#: (no measurement here): Inductor fuses a block's elementwise chains (norms, rotary, SiLU-mul,
+#: casts) so each fused region reads its inputs and writes its outputs once, about half the
+#: traffic of the eager op-by-op chain.
+COMPILE_MEMORY_TRAFFIC = 0.5
+#: Fraction of the eager activation bytes a compiled block saves for backward: measured here on
+#: a selectively checkpointed llama block (``slapo.memory.estimate``'s module doc: 8% fewer).
+COMPILE_ACTIVATIONS = 0.92
+#: DDP's default bucket (``bucket_cap_mb=25``): the last one's all-reduce is exposed.
+DDP_BUCKET_BYTES = 25 * 2**20
+
+_MATMUL_PACKETS = {
+    torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+    torch.ops.aten._scaled_mm, torch.ops.aten.convolution, torch.ops.aten._convolution,
+    torch.ops.aten.convolution_backward,
+}  # fmt: skip
+_ATTENTION_FORWARD = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    torch.ops.aten._scaled_dot_product_flash_attention,
+    torch.ops.aten._scaled_dot_product_efficient_attention,
+    torch.ops.aten._scaled_dot_product_cudnn_attention,
+}
+_ATTENTION_BACKWARD = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    torch.ops.aten._scaled_dot_product_flash_attention_backward,
+    torch.ops.aten._scaled_dot_product_efficient_attention_backward,
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward,
+}
+#: Ops that make no new data (metadata, scalars, profiler marks).
+_FREE = {
+    "prim", "profiler",
+}  # fmt: skip
+_FREE_OPS = {
+    torch.ops.aten._local_scalar_dense, torch.ops.aten.lift_fresh, torch.ops.aten.empty_strided,
+    torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.detach,
+}  # fmt: skip
+PHASES = ("forward", "backward", "optimizer")
+
+
+class PlanError(SlapoError, ValueError):
+    """A step-time prediction cannot be made (bad arguments; the message says which)."""
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list | tuple):
+        for x in obj:
+            yield from _tensors(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x)
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+
+
+def _arg(func: Any, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            return args[i] if i < len(args) else kwargs.get(name, default)
+    return default
+
+
+def _attention_flops(func: Any, args: tuple, kwargs: dict, backward: bool) -> int:
+    q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
+    *batch, s_q, d = q.shape
+    heads = 1
+    for n in batch:
+        heads *= n
+    flops = 4 * heads * s_q * k.shape[-2] * d
+    if _arg(func, args, kwargs, "is_causal", False):
+        flops //= 2
+    return int(flops * 2.5) if backward else flops
+
+
+def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, int]:
+    """(name, group size, bytes one rank sends) of a functional collective."""
+    import torch.distributed as dist
+
+    name = func._overloadpacket.__name__
+    group = _arg(func, args, kwargs, "group_name") or _arg(func, args, kwargs, "tag")
+    size = _arg(func, args, kwargs, "group_size")
+    process_group = _arg(func, args, kwargs, "process_group")
+    if not isinstance(size, int) and process_group is not None:
+        try:  # c10d's ops take the group itself
+            size = process_group.size()
+        except Exception:  # noqa: S110 - fall back to resolving by name
+            pass
+    if not isinstance(size, int):
+        try:
+            size = dist.distributed_c10d._resolve_process_group(group).size()
+        except Exception:  # an unknown group: count it as a pair
+            size = 2
+    data = args[0]
+    for arg_name in ("input_tensors", "input_tensor", "input", "tensors", "tensor"):
+        value = _arg(func, args, kwargs, arg_name)
+        if value is not None:  # what this rank contributes (c10d's all-gather lists outputs first)
+            data = value
+            break
+    nbytes = _nbytes(data)
+    plain = name.replace("_", "")  # c10d's allreduce_, functional all_reduce, ...
+    if "allreduce" in plain:
+        sent = 2 * (size - 1) * nbytes // size
+    elif "allgather" in plain:
+        sent = (size - 1) * nbytes
+    else:  # reduce_scatter, all_to_all, broadcast
+        sent = (size - 1) * nbytes // size
+    return name, size, sent
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts a step's work by phase (:data:`PHASES`) and kind while it runs (module doc).
+
+    Attributes:
+        flops: ``{(phase, kind): FLOPs}`` for ``matmul`` and ``attention``.
+        memory_bytes: ``{phase: bytes}`` read and written by memory-bound ops.
+        collectives: ``{(phase, op name, group size): bytes sent per rank}``.
+
+    Example:
+        >>> with StepCounter() as c:
+        ...     slapo.estimate_memory(model, batch)
+        >>> c.flops[("forward", "matmul")] > 0
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops: dict[tuple[str, str], int] = {}
+        self.memory_bytes: dict[str, int] = {}
+        self.collectives: dict[tuple[str, str, int], int] = {}
+        self._seen_backward = False
+
+    def _phase(self) -> str:
+        if torch._C._current_graph_task_id() != -1:
+            self._seen_backward = True
+            return "backward"
+        return "optimizer" if self._seen_backward else "forward"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        phase = self._phase()
+        if packet in _MATMUL_PACKETS and packet in flop_registry:
+            n = flop_registry[packet](*args, **kwargs, out_val=out)
+            self.flops[(phase, "matmul")] = self.flops.get((phase, "matmul"), 0) + int(n)
+        elif packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
+            n = _attention_flops(func, args, kwargs, packet in _ATTENTION_BACKWARD)
+            self.flops[(phase, "attention")] = self.flops.get((phase, "attention"), 0) + n
+        elif func.namespace in ("_c10d_functional", "c10d_functional", "c10d"):
+            name, size, sent = _collective_bytes(func, args, kwargs)
+            key = (phase, name, size)
+            self.collectives[key] = self.collectives.get(key, 0) + sent
+        elif not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
+            n = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
+            self.memory_bytes[phase] = self.memory_bytes.get(phase, 0) + n
+        return out
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One rank's predicted training step (:func:`predict_step`).
+
+    Attributes:
+        seconds: the step.
+        tokens_per_s_per_gpu: the layout's tokens per second over its GPUs.
+        mfu: model FLOPs (:func:`slapo.throughput.model_flops_per_token`) per second over the
+            device's bf16 (or the precision's) peak.
+        memory: the rank's memory estimate; :attr:`memory_bytes` the figure compared with a
+            run's ``torch.cuda.max_memory_reserved``.
+        time_terms: seconds by term (compute by kind, exposed collectives, bubble), largest
+            first; ``hidden`` terms say what overlapped.
+        counts: the raw counts (FLOPs and bytes by phase and kind).
+    """
+
+    seconds: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    memory_bytes: int
+    memory: MemoryEstimate
+    time_terms: dict[str, float] = field(default_factory=dict)
+    memory_terms: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)
+
+    def top_terms(self, n: int = 5) -> list[tuple[str, float]]:
+        return sorted(self.time_terms.items(), key=lambda kv: -kv[1])[:n]
+
+    def __str__(self) -> str:
+        lines = [
+            f"step {self.seconds:.3f} s, {self.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, "
+            f"MFU {self.mfu:.1%}, memory {format_bytes(self.memory_bytes)} reserved "
+            f"(parts {format_bytes(self.memory.peak)}, live peak "
+            f"{format_bytes(self.memory.live_peak)})",
+            "  time: " + ", ".join(f"{k} {v:.3f}s" for k, v in self.top_terms()),
+            "  memory: " + ", ".join(
+                f"{k} {format_bytes(v)}"
+                for k, v in sorted(self.memory_terms.items(), key=lambda kv: -kv[1])[:5]
+            ),
+        ]  # fmt: skip
+        return "\n".join(lines)
+
+
+def _tokens(batch: Any) -> int:
+    """Tokens in a batch: its ``input_ids`` (or first tensor) elements."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel()
+    first = next(_tensors(batch), None)
+    if first is None:
+        raise PlanError("predict_step: the batch holds no tensor to count tokens in")
+    return first.numel()
+
+
+def _module(sch: Any) -> nn.Module:
+    return sch if isinstance(sch, nn.Module) else sch.mod
+
+
+def _units(model: nn.Module) -> int:
+    """FSDP2 units: one per decoder layer (as torchtitan and slapo wrap them) plus the root."""
+    config = getattr(model, "config", None)
+    return (getattr(config, "num_hidden_layers", 0) or 0) + 1
+
+
+def predict_step(
+    sch: Any,
+    batch: Any,
+    cluster: ClusterSpec,
+    *,
+    target: str = "fsdp",
+    dp: int = 1,
+    pp: int = 1,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    num_microbatches: int = 1,
+    pipeline_schedule: str = "1F1B",
+    precision: str = "bf16",
+    compile: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
+    seq_len: int | None = None,
+    **estimate_kwargs: Any,
+) -> StepPrediction:
+    """Predict one training step of one rank of a ``dp x pp x cp x tp`` layout on ``cluster``.
+
+    Args:
+        sch, batch: as for :func:`slapo.memory.estimate_layout` (the schedule built for the
+            layout's tp/cp/ep groups; one data-parallel rank's batch, all its microbatches).
+        cluster: the devices and links.
+        target, dp, pp, tp, cp, ep, num_microbatches, pipeline_schedule, precision: the layout
+            (:class:`slapo.memory.LayoutSpec`).
+        compile: the blocks run under ``torch.compile`` (module doc).
+        precision: ``"bf16"``/``"fp16"`` count at that peak; ``"fp32"`` at the TF32 peak
+            (float32 matmuls on the tensor cores, as ``allow_tf32`` runs them).
+        reduce_dtype: the dtype FSDP2 reduce-scatters gradients in.
+        seq_len: for MFU's attention term (default: the batch's last dimension).
+        **estimate_kwargs: ``optimizer``, ``device`` ... of :func:`slapo.estimate_memory`
+            (``device`` defaults to ``"cuda"``).
+
+    Returns:
+        A :class:`StepPrediction`.
+
+    Example:
+        >>> c = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
+        >>> pred = predict_step(sch, {"input_ids": ids, "labels": ids}, c, target="fsdp", dp=8)
+        >>> pred.seconds > 0, 0 < pred.mfu < 1
+        (True, True)
+    """
+    if not isinstance(cluster, ClusterSpec):
+        raise PlanError(
+            f"predict_step: cluster must be a slapo.plan.ClusterSpec, got {type(cluster).__name__}"
+            " (e.g. ClusterSpec(PRESETS['h100-sxm'], gpus_per_node=8, inter_node_gbps=50.0))"
+        )
+    dev = cluster.device
+    dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(
+        str(precision), "tf32"
+    )
+    estimate_kwargs.setdefault("device", "cuda")
+    counter = StepCounter()
+    with counter:
+        est = estimate_layout(
+            sch, batch, target=target, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
+            num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule,
+            precision=precision, **estimate_kwargs,
+        )  # fmt: skip
+    model = _module(sch)
+    shards = dp * cp if target in ("fsdp", "deepspeed") else 1
+
+    # --- compute: seconds by phase (the fake step ran one microbatch of the whole model when
+    # pp > 1: one stage's slot is 1/pp of it)
+    per_stage = 1.0 / pp
+    compute: dict[str, float] = {}
+    terms: dict[str, float] = {}
+    for (phase, kind), flops in counter.flops.items():
+        s = flops / (dev.achievable_tflops(kind, dtype) * 1e12) * per_stage
+        compute[phase] = compute.get(phase, 0.0) + s
+        terms[f"{kind} ({phase})"] = terms.get(f"{kind} ({phase})", 0.0) + s
+    for phase, nbytes in counter.memory_bytes.items():
+        scale = per_stage
+        if phase == "optimizer":
+            scale /= shards  # the optimizer steps this rank's shard only
+        elif compile:
+            scale *= COMPILE_MEMORY_TRAFFIC
+        s = nbytes * scale / (dev.hbm_gbps * 1e9 * dev.efficiency["memory"])
+        compute[phase] = compute.get(phase, 0.0) + s
+        terms[f"memory-bound ({phase})"] = s
+    slots = num_microbatches + pp - 1 if pp > 1 else 1
+    fwd, bwd = compute.get("forward", 0.0) * slots, compute.get("backward", 0.0) * slots
+    opt = compute.get("optimizer", 0.0)
+    if pp > 1:
+        for key in list(terms):
+            if "optimizer" not in key:
+                terms[key] *= num_microbatches
+        terms["pipeline bubble"] = (fwd + bwd) * (pp - 1) / slots
+
+    # --- collectives the fake step ran (tp, cp), exposed
+    eff = dev.efficiency["collective"]
+    exposed = 0.0
+    for (phase, name, size), sent in counter.collectives.items():
+        span = size if size == tp else size * tp  # a cp group strides over tp ranks
+        link = cluster.link_for(span)
+        s = link.seconds(sent, efficiency=eff, messages=size - 1) * (
+            num_microbatches if pp > 1 else 1
+        )
+        exposed += s
+        terms[f"{name} x{size} ({phase})"] = terms.get(f"{name} x{size} ({phase})", 0.0) + s
+
+    # --- the data-parallel engine's collectives, overlapped as the engine overlaps them
+    dp_group = dp * cp
+    local = {id(p): p for p in model.parameters()}.values()
+    n_params = sum(p.numel() for p in local) / pp
+    hidden: dict[str, float] = {}
+    if dp_group > 1 and target in ("fsdp", "ddp", "deepspeed"):
+        link = cluster.link_for(dp_group * pp * tp)
+        ring = (dp_group - 1) / dp_group
+        if target == "fsdp":
+            units = max(1, _units(model) // pp)
+            gather_bytes = n_params * (2 if dtype in ("bf16", "fp16") else 4) * ring
+            grad_bytes = n_params * torch.empty((), dtype=reduce_dtype).element_size() * ring
+            ag = link.seconds(gather_bytes, efficiency=eff, messages=units * (dp_group - 1))
+            rs = link.seconds(grad_bytes, efficiency=eff, messages=units * (dp_group - 1))
+            # the first unit's gather and the last unit's reduce-scatter run alone
+            first, last = ag / units, rs / units
+            exposed_dp = first + last
+            exposed_dp += max(0.0, (ag - first) - fwd) + max(0.0, (ag - first) + (rs - last) - bwd)
+            terms["fsdp all-gather (exposed)"] = first + max(0.0, (ag - first) - fwd)
+            terms["fsdp reduce-scatter (exposed)"] = exposed_dp - terms["fsdp all-gather (exposed)"]
+            hidden["fsdp all-gather x2"] = 2 * ag
+            hidden["fsdp reduce-scatter"] = rs
+        else:
+            grad_bytes = 2 * n_params * 4 * ring
+            ar = link.seconds(grad_bytes, efficiency=eff, messages=2 * (dp_group - 1))
+            last = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, n_params * 4))
+            exposed_dp = last + max(0.0, ar - last - bwd)
+            terms["ddp all-reduce (exposed)"] = exposed_dp
+            hidden["ddp all-reduce"] = ar
+        exposed += exposed_dp
+    if pp > 1:  # one boundary activation each way per microbatch (the batch's tokens x hidden)
+        width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+        act = _tokens(batch) / num_microbatches * width * (2 if dtype in ("bf16", "fp16") else 4)
+        link = cluster.link_for(pp * cp * tp)
+        sends = 2 * slots * link.seconds(act, efficiency=eff)
+        exposed += sends
+        terms["pipeline sends"] = sends
+
+    seconds = fwd + bwd + opt + exposed
+    tokens = _tokens(batch)
+    seq = seq_len or next(_tensors(batch)).shape[-1] * cp
+    world = dp * pp * tp * cp
+    tokens_per_gpu = tokens * dp * cp / world / seconds
+    flops_per_token = model_flops_per_token(model, seq)
+    mfu = tokens_per_gpu * flops_per_token / (dev.peak_tflops[dtype] * 1e12)
+
+    reserved = est.reserved
+    memory_terms = {
+        "params": est.params, "grads": est.grads, "optimizer_state": est.optimizer_state,
+        "activations": est.activations, "engine": est.engine,
+    }  # fmt: skip
+    if compile:  # the compiler saves fewer activations for backward
+        cut = int(est.activations * (1 - COMPILE_ACTIVATIONS))
+        memory_terms["activations"] -= cut
+        reserved -= cut
+    counts = {
+        "flops": dict(counter.flops), "memory_bytes": dict(counter.memory_bytes),
+        "collectives": dict(counter.collectives), "hidden_collective_seconds": hidden,
+    }  # fmt: skip
+    return StepPrediction(
+        seconds=seconds, tokens_per_s_per_gpu=tokens_per_gpu, mfu=mfu, memory_bytes=reserved,
+        memory=est, time_terms=terms, memory_terms=memory_terms, counts=counts,
+    )  # fmt: skip

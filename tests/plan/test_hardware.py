@@ -1,0 +1,71 @@
+"""Device presets and device files (slapo.plan.hardware)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from slapo.exceptions import SlapoError
+from slapo.plan.hardware import PRESETS, ClusterSpec, DeviceSpecError, load_device, save_device
+from slapo.throughput import PEAK_TFLOPS
+
+#: preset -> the row of slapo.throughput's peak table it must agree with
+_SAME_PEAKS = {
+    "h100-sxm": "H100 SXM", "h200": "H200", "a100-80gb-sxm": "A100", "b200": "B200",
+    "rtx-4090": "RTX 4090", "a800-80gb-sxm": "A800",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_round_trips_through_a_file(tmp_path, name: str) -> None:
+    path = save_device(PRESETS[name], tmp_path / f"{name}.json")
+    assert load_device(path) == PRESETS[name]
+    assert [p.name for p in tmp_path.iterdir()] == [f"{name}.json"]  # no temporary left
+    assert PRESETS[name].source
+
+
+@pytest.mark.parametrize(("name", "row"), sorted(_SAME_PEAKS.items()))
+def test_preset_peaks_match_the_throughput_table(name: str, row: str) -> None:
+    assert PRESETS[name].peak_tflops == PEAK_TFLOPS[row]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("hbm_gbps", -1, "hbm_gbps"),
+        ("peak_tflops", {"bf16": "fast"}, "peak_tflops.bf16"),
+        ("efficiency", {"matmul": 1.5, "attention": 0.3, "memory": 0.8, "collective": 0.8},
+         "efficiency.matmul"),
+        ("intra_node", {"gbps": 0, "latency_us": 1}, "intra_node.gbps"),
+    ],
+)  # fmt: skip
+def test_a_bad_field_is_named(tmp_path, field: str, value, named: str) -> None:
+    data = dataclasses.asdict(PRESETS["h100-sxm"])
+    data[field] = value
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(DeviceSpecError, match=named.replace(".", r"\.")) as info:
+        load_device(path)
+    assert isinstance(info.value, SlapoError)
+
+
+def test_missing_field_and_not_json(tmp_path) -> None:
+    data = dataclasses.asdict(PRESETS["h200"])
+    del data["hbm_gib"]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    with pytest.raises(DeviceSpecError, match="'hbm_gib' is missing"):
+        load_device(tmp_path / "a.json")
+    (tmp_path / "b.json").write_text("{not json")
+    with pytest.raises(DeviceSpecError, match="not JSON"):
+        load_device(tmp_path / "b.json")
+
+
+def test_cluster_picks_the_link_a_group_crosses() -> None:
+    h100 = PRESETS["h100-sxm"]
+    cluster = ClusterSpec(h100, gpus_per_node=8, inter_node_gbps=50.0)
+    assert cluster.link_for(8) == h100.intra_node
+    assert cluster.link_for(9).gbps == 50.0
+    with pytest.raises(DeviceSpecError, match="gpus_per_node"):
+        ClusterSpec(h100, gpus_per_node=0)

@@ -1,0 +1,135 @@
+"""The step-time model's counts against plain PyTorch (slapo.plan.step_time).
+
+The FLOPs the fake step counts must be those ``torch.utils.flop_counter.FlopCounterMode`` counts
+over the same training step run for real (recompute of checkpointed blocks included); the
+seconds follow from the counts by the stated formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+import slapo
+from slapo.memory import estimate_memory
+from slapo.plan.hardware import PRESETS, ClusterSpec
+from slapo.plan.step_time import PlanError, StepCounter, _attention_flops, predict_step
+
+transformers = pytest.importorskip("transformers")
+
+
+def _llama(layers: int = 2) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, use_cache=False,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"  # attention as matmuls: FlopCounterMode counts them
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
+def _real_flops(module: torch.nn.Module, batch: dict) -> int:
+    with FlopCounterMode(display=False) as real:
+        module(**batch).loss.backward()
+    return real.get_total_flops()
+
+
+def _fake_matmul_flops(sch, batch: dict) -> StepCounter:
+    with StepCounter() as counter:
+        estimate_memory(sch, batch)
+    return counter
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_fake_step_flops_equal_a_real_steps(checkpointed: bool) -> None:
+    model = _llama()
+    sch = slapo.create_schedule(model)
+    if checkpointed:  # the backward recomputes the block: its forward FLOPs count twice
+        sch["model.layers.0"].checkpoint()
+    counter = _fake_matmul_flops(sch, _batch())
+    fake = sum(n for (phase, _), n in counter.flops.items() if phase != "optimizer")
+    assert fake == _real_flops(sch.mod, _batch())
+    assert counter.memory_bytes["optimizer"] > 0  # AdamW's step is memory-bound work
+
+
+def test_checkpoint_adds_the_blocks_forward_to_backward() -> None:
+    plain = _fake_matmul_flops(slapo.create_schedule(_llama()), _batch())
+    sch = slapo.create_schedule(_llama())
+    sch["model.layers.0"].checkpoint()
+    ckpt = _fake_matmul_flops(sch, _batch())
+    assert ckpt.flops[("forward", "matmul")] == plain.flops[("forward", "matmul")]
+    assert ckpt.flops[("backward", "matmul")] > plain.flops[("backward", "matmul")]
+
+
+def test_attention_flops_are_flop_counters_halved_when_causal() -> None:
+    q = torch.empty(2, 4, 32, 16, device="meta")
+    k = v = torch.empty(2, 4, 32, 16, device="meta")
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    full = sdpa_flop_count(q.shape, k.shape, v.shape)
+    assert _attention_flops(op, (q, k, v, 0.0, False), {}, backward=False) == full
+    assert _attention_flops(op, (q, k, v, 0.0, True), {}, backward=False) == full // 2
+
+
+def _cluster() -> ClusterSpec:
+    return ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
+
+
+def test_fsdp_collectives_overlap_and_dp1_moves_nothing() -> None:
+    sch = slapo.create_schedule(_llama())
+    one = predict_step(sch, _batch(), _cluster(), target="fsdp", dp=1)
+    assert one.counts["hidden_collective_seconds"] == {}
+    sixteen = predict_step(sch, _batch(), _cluster(), target="fsdp", dp=16)
+    hidden = sixteen.counts["hidden_collective_seconds"]
+    exposed = sixteen.time_terms["fsdp all-gather (exposed)"]
+    assert 0 < exposed < hidden["fsdp all-gather x2"] / 2
+    assert sixteen.tokens_per_s_per_gpu > 0 and 0 < sixteen.mfu < 1
+    ddp = predict_step(sch, _batch(), _cluster(), target="ddp", dp=16)
+    assert 0 < ddp.time_terms["ddp all-reduce (exposed)"] <= ddp.counts[
+        "hidden_collective_seconds"]["ddp all-reduce"]  # fmt: skip
+
+
+def test_pipeline_bubble_is_the_schedules() -> None:
+    sch = slapo.create_schedule(_llama())
+    sch["model.layers.1"].cut_pipeline_stage()
+    pp, m = 2, 2
+    pred = predict_step(
+        sch, _batch(), _cluster(), target="pipeline", pp=pp, num_microbatches=m,
+        precision="fp32",
+    )  # fmt: skip
+    compute = sum(v for k, v in pred.time_terms.items() if "(forward)" in k or "(backward)" in k)
+    assert pred.time_terms["pipeline bubble"] == pytest.approx(compute * (pp - 1) / m)
+
+
+def test_no_tokens_is_a_typed_error() -> None:
+    with pytest.raises(PlanError, match="no tensor"):
+        from slapo.plan.step_time import _tokens
+
+        _tokens({"x": 1})
+
+
+def test_tensor_parallel_all_reduces_are_counted_from_the_step() -> None:
+    from slapo.memory import fake_process_group
+    from slapo.model_schedule import apply_schedule
+
+    model, batch = _llama(), _batch()
+    with fake_process_group(2, rank=0) as group:
+        sch = apply_schedule(model, group=group)
+        pred = predict_step(sch, batch, _cluster(), target="fsdp", dp=2, tp=2, precision="fp32")
+    # Megatron's two all-reduces per layer in forward (attention, MLP) of tokens x hidden
+    # float32; a ring of 2 sends each all-reduce's size once
+    tokens, hidden, layers = batch["input_ids"].numel(), 64, 2
+    assert (
+        pred.counts["collectives"][("forward", "allreduce_", 2)] == 2 * layers * tokens * hidden * 4
+    )
+    assert pred.time_terms["allreduce_ x2 (forward)"] > 0
+
+
+def test_a_cluster_that_is_not_one_is_a_typed_error() -> None:
+    with pytest.raises(PlanError, match="ClusterSpec"):
+        predict_step(slapo.create_schedule(_llama()), _batch(), PRESETS["h100-sxm"], dp=2)
