@@ -1,4 +1,4 @@
-"""The ``slapo`` command: ``slapo train``, ``slapo tune``, ``slapo estimate``, ``slapo primitives``."""
+"""The ``slapo`` command: ``slapo train``, ``tune``, ``estimate``, ``plan``, ``primitives``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any, get_type_hints
 
 from . import __version__
 from .exceptions import SlapoError
+from .plan.cli import add_parser as add_plan
 from .primitives import list_primitives
 from .train import TrainConfig
 from .train import add_parser as add_train
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     prims.set_defaults(func=_primitives)
     add_tune(sub)
     _add_estimate(sub)
+    add_plan(sub)
     return parser
 
 

@@ -39,6 +39,10 @@ def test_preset_peaks_match_the_throughput_table(name: str, row: str) -> None:
         ("efficiency", {"matmul": 1.5, "attention": 0.3, "memory": 0.8, "collective": 0.8},
          "efficiency.matmul"),
         ("intra_node", {"gbps": 0, "latency_us": 1}, "intra_node.gbps"),
+        ("host_link", {"gbps": -2, "latency_us": 1}, "host_link.gbps"),
+        ("host_link", {"gbps": 2}, "host_link"),
+        ("op_overhead_us", -1, "op_overhead_us"),
+        ("overlap_slowdown", 2, "overlap_slowdown"),
     ],
 )  # fmt: skip
 def test_a_bad_field_is_named(tmp_path, field: str, value, named: str) -> None:
@@ -69,3 +73,14 @@ def test_cluster_picks_the_link_a_group_crosses() -> None:
     assert cluster.link_for(9).gbps == 50.0
     with pytest.raises(DeviceSpecError, match="gpus_per_node"):
         ClusterSpec(h100, gpus_per_node=0)
+
+
+def test_a_file_written_before_host_links_still_loads(tmp_path) -> None:
+    # device files from before host_link/op_overhead_us/overlap_slowdown take their defaults
+    data = dataclasses.asdict(PRESETS["a100-80gb-sxm"])
+    for field in ("host_link", "op_overhead_us", "overlap_slowdown"):
+        del data[field]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    old = load_device(tmp_path / "old.json")
+    assert old.host_link.gbps == 32.0 and old.op_overhead_us == 0.0
+    assert old.overlap_slowdown == PRESETS["a100-80gb-sxm"].overlap_slowdown

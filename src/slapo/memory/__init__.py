@@ -44,6 +44,7 @@ from .targets import (
     LayoutSpec,
     apply_layout,
     estimate_layout,
+    layout_step,
     roundpipe_resident,
 )
 from .units import (
@@ -70,6 +71,7 @@ __all__ = [
     "allocator_rounding",
     "apply_layout",
     "estimate_layout",
+    "layout_step",
     "estimate_memory",
     "fake_layout_groups",
     "fake_process_group",

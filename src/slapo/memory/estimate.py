@@ -120,6 +120,20 @@ class MemoryEstimate:
             made and the backward keeps (0 without autocast).
         rounding: per part, the bytes CUDA's caching allocator adds to its tensors by rounding
             them to its block sizes (:func:`slapo.memory.units.allocator_rounding`).
+        forward_peak, backward_peak: the most bytes alive at once in the forward, and in the
+            backward (the optimizer state already there): ``live_peak`` is the larger of them
+            or the optimizer step's own peak, which a layout's engine changes
+            (:func:`slapo.memory.apply_layout` models it). ``None``: unknown, taken as
+            ``live_peak``.
+        grads_at_peak: of ``grads``, the bytes alive at ``backward_peak`` (none when it is at
+            the loss, before any gradient exists); ``None``: unknown, taken as all.
+        backward_other_peak, grads_at_other_peak: the most bytes alive in the backward but its
+            gradients (the optimizer state there), and the gradients alive then: where a rank
+            holding a share of the gradients peaks (FSDP), even where the whole model's backward
+            peaks later, at its end with every gradient.
+        peak_temporaries: ``{"forward": {module: bytes}, "backward": {...}}``: what else was
+            alive at each peak (neither activations nor gradients: the loss's logits, autocast's
+            weight copies), by the module that made it; a pipeline stage holds its own modules'.
         stand_in: the device type the fake step ran on in place of ``device`` (the CPU for a
             ``cuda`` estimate on a torch without CUDA), else None.
 
@@ -153,6 +167,12 @@ class MemoryEstimate:
     weight_copies: int = 0
     rounding: dict[str, int] = field(default_factory=dict)
     stand_in: str | None = None
+    forward_peak: int | None = None
+    backward_peak: int | None = None
+    grads_at_peak: int | None = None
+    backward_other_peak: int | None = None
+    grads_at_other_peak: int | None = None
+    peak_temporaries: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def peak(self) -> int:
@@ -401,10 +421,30 @@ def _make_counter() -> Any:
             self.origin: dict[int, str] = {}
             self.copies: set[int] = set()
             self.now = self.peak = 0
+            # creation order of each storage, and the last creation that raised the peak:
+            # which storages were alive at the peak (a gradient made before it still is)
+            self.born: dict[int, int] = {}
+            self.created = self.peak_at = 0
+            # per storage: [born, died (the last creation before it was freed), bytes, module]
+            self.records: list[list[Any]] = []
+            self.trace: list[int] = []
+            self.record_of: dict[int, int] = {}  # id(storage) -> its record while alive
 
         def _gone(self, key: int, _ref: Any) -> None:
             _, nbytes = self.alive.pop(key, (None, 0))
+            index = self.record_of.pop(key, None)
+            if index is not None:
+                self.records[index][1] = self.created
             self.now -= nbytes
+
+        def alive_at(self, peak_at: int, leave_out: set[int]) -> dict[str, int]:
+            """Bytes alive when creation ``peak_at`` happened, by the module that made them,
+            but for the records ``leave_out``."""
+            out: dict[str, int] = {}
+            for i, (born, died, nbytes, where) in enumerate(self.records):
+                if born <= peak_at and (died is None or died >= peak_at) and i not in leave_out:
+                    out[where] = out.get(where, 0) + nbytes
+            return out
 
         def add(self, t: torch.Tensor) -> None:
             st = _storage(t)
@@ -414,8 +454,14 @@ def _make_counter() -> Any:
             nbytes = st.nbytes()
             self.alive[key] = (weakref.ref(st, functools.partial(self._gone, key)), nbytes)
             self.origin[key] = self.where()
+            self.created += 1
+            self.born[key] = self.created
+            self.record_of[key] = len(self.records)
+            self.records.append([self.created, None, nbytes, self.origin[key]])
             self.now += nbytes
-            self.peak = max(self.peak, self.now)
+            self.trace.append(self.now)  # bytes alive after each creation
+            if self.now > self.peak:
+                self.peak, self.peak_at = self.now, self.created
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
             out = func(*args, **(kwargs or {}))
@@ -599,14 +645,35 @@ def _precision_arg(precision: Any) -> Precision:
         raise EstimateError(f"precision={precision!r}: {exc}") from exc
 
 
-def _sizes(tensors: Any) -> list[int]:
-    """The bytes of each distinct storage behind ``tensors``."""
-    seen: dict[int, int] = {}
+def _peak_besides(counter: Any, records: set[int], start: int) -> tuple[int, int, int]:
+    """``(creation, bytes, grad bytes)``: the creation after ``start`` at which the bytes alive
+    but those of ``records`` (made from then on, alive to the end) were most, those bytes, and
+    the bytes of ``records`` alive then."""
+    births = sorted((counter.records[i][0], counter.records[i][2]) for i in records)
+    best_at, best, grads_then, grads, j = start, -1, 0, 0, 0
+    for k in range(start + 1, len(counter.trace) + 1):
+        while j < len(births) and births[j][0] <= k:
+            grads += births[j][1]
+            j += 1
+        other = counter.trace[k - 1] - grads
+        if other > best:
+            best_at, best, grads_then = k, other, grads
+    return best_at, max(best, 0), grads_then
+
+
+def _distinct_storages(tensors: Any) -> list[tuple[Any, int]]:
+    """Each distinct storage behind ``tensors``, with its bytes."""
+    seen: dict[int, tuple[Any, int]] = {}
     for t in tensors:
         st = _storage(t)
         if st is not None:
-            seen[id(st)] = st.nbytes()
+            seen[id(st)] = (st, st.nbytes())
     return list(seen.values())
+
+
+def _sizes(tensors: Any) -> list[int]:
+    """The bytes of each distinct storage behind ``tensors``."""
+    return [n for _, n in _distinct_storages(tensors)]
 
 
 def _nbytes(tensors: Any) -> int:
@@ -761,11 +828,40 @@ def estimate_memory(
             "weight_copies": sum(n for k, n in kept.items() if k in counter.copies),
         }  # fmt: skip
         keep.clear()  # counted: the backward frees them as it goes
+        # the forward's peak (e.g. its end, where autocast's cache still holds a 16-bit copy of
+        # every weight) and the backward's (e.g. the loss's float32 gradients) apart: each
+        # grows with the model's depth at its own rate (slapo.plan.profile)
+        facts["forward_peak"], counter.peak = counter.peak, counter.now
+        activation_records = {counter.record_of[k] for k in kept if k in counter.record_of}
+        temporaries = {"forward": counter.alive_at(counter.peak_at, activation_records)}
+        backward_from = counter.created
         loss.backward()  # the output stays alive through backward, as in slapo.train_step
         del out, loss
         facts["grad_sizes"] = _sizes(p.grad for p in params if p.grad is not None)
+        # the gradients alive at the forward/backward peak: those made before it (a peak at the
+        # start of backward, around the loss, holds none)
+        facts["grads_at_peak"] = sum(
+            n for st, n in _distinct_storages(p.grad for p in params if p.grad is not None)
+            if counter.born.get(id(st), 0) <= counter.peak_at
+        )  # fmt: skip
+        grad_records = {
+            counter.record_of[id(st)] for st, _ in _distinct_storages(
+                p.grad for p in params if p.grad is not None
+            ) if id(st) in counter.record_of
+        }  # fmt: skip
+        temporaries["backward"] = counter.alive_at(
+            counter.peak_at, activation_records | grad_records
+        )
+        # the backward's peak of all but its gradients: where a rank holding a share of the
+        # gradients (FSDP, ZeRO) peaks, even when the whole model peaks later, among them
+        at, other, grads_then = _peak_besides(counter, grad_records, backward_from)
+        facts["backward_other_peak"], facts["grads_at_other_peak"] = other, grads_then
+        temporaries["backward_other"] = counter.alive_at(at, activation_records | grad_records)
+        facts["peak_temporaries"] = temporaries
         # In later steps the optimizer state is there from the start: it adds to this peak.
-        facts["forward_backward_peak"], counter.peak = counter.peak, counter.now
+        facts["backward_peak"] = counter.peak
+        facts["forward_backward_peak"] = max(facts["forward_peak"], counter.peak)
+        counter.peak = counter.now
         for p in trainable if cast else ():  # the engine hands the gradients to the masters
             if p.grad is not None:
                 masters[id(p)].grad = p.grad.to(torch.float32)
@@ -840,6 +936,12 @@ def _estimate_of(
         params=_nbytes(params),
         buffers=_nbytes(buffers),
         grads=sum(facts["grad_sizes"]),
+        forward_peak=held + facts["forward_peak"] + state,
+        backward_peak=held + facts["backward_peak"] + state,
+        grads_at_peak=facts["grads_at_peak"],
+        backward_other_peak=held + facts["backward_other_peak"] + state,
+        grads_at_other_peak=facts["grads_at_other_peak"],
+        peak_temporaries=facts["peak_temporaries"],
         optimizer_state=state,
         activations=facts["activations"],
         live_peak=held + created,

@@ -113,6 +113,7 @@ __all__ = [
     "LayoutSpec",
     "apply_layout",
     "estimate_layout",
+    "layout_step",
     "roundpipe_resident",
 ]
 
@@ -537,11 +538,14 @@ ENGINE_MODELS: dict[str, Callable[[_Held, _Rank], None]] = {
 }  # fmt: skip
 
 
-def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEstimate:
+def apply_layout(
+    base: MemoryEstimate, model: Any, spec: LayoutSpec, cuts: list[str] | None = None
+) -> MemoryEstimate:
     """What one rank of ``spec`` holds, from ``base``: :func:`slapo.estimate_memory` of
     ``model`` (the schedule's module, sharded over its tp group) on one data-parallel rank's
     batch, or on one microbatch of it when ``spec.pp > 1``, in ``spec.precision`` (with
-    ``cast_params=spec.casts_module``).
+    ``cast_params=spec.casts_module``). ``cuts``: the pipeline's cuts (module paths), where
+    ``model`` is not the schedule that holds them.
 
     Example:
         >>> base = slapo.estimate_memory(sch, batch)
@@ -556,7 +560,8 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
             f"apply_layout: the base estimate is in {base.precision}, the layout in "
             f"{spec.precision}; estimate the step with precision={spec.precision!r}"
         )
-    cuts = pipeline_cuts(model) if isinstance(model, Schedule) else []
+    if cuts is None:
+        cuts = pipeline_cuts(model) if isinstance(model, Schedule) else []
     module = model.mod if isinstance(model, Schedule) else model
     _check_prepared(module, spec)
     _, stage, _ = spec.coords()
@@ -615,8 +620,32 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
     state = round(sum(held.masters) * state_ratio)
     parts = {name: sum(sizes) for name, sizes in held.parts.items()}
     engine = sum(parts.values())
-    live = base.live_peak - base.params - base.grads - base.optimizer_state - base.activations
-    live = max(live - base.engine, 0) + params + grads + state + activations + engine
+    # the step's own temporaries at its forward and at its backward peak, then this rank's
+    # parts at that moment: gradients only those alive then (none in the forward; a backward
+    # peak at the loss holds none either: subtracting all of them would drop a large model's
+    # loss temporaries), all of them where microbatches accumulate into them (a pipeline).
+    # The optimizer's step is the engine's (its peak: the parts, below).
+    accumulate = spec.pp > 1
+    base_grads = base.grads if base.grads_at_peak is None else base.grads_at_peak
+    grads_alive = grads * base_grads / base.grads if base.grads and not accumulate else grads
+    held_parts = params + state + activations + engine
+    fixed = base.params + base.optimizer_state + base.activations + base.engine
+    live = max(base.live_peak if base.backward_peak is None else base.backward_peak, 0)
+    live = max(live - fixed - base_grads, 0) + held_parts + round(grads_alive)
+    if base.forward_peak is not None:
+        forward = max(base.forward_peak - fixed, 0) + held_parts
+        live = max(live, forward + (grads if accumulate else 0))
+    if base.backward_other_peak is not None and base.grads_at_other_peak is not None:
+        then = grads * base.grads_at_other_peak / base.grads if base.grads else 0
+        other = max(base.backward_other_peak - fixed - base.grads_at_other_peak, 0)
+        live = max(live, other + held_parts + (grads if accumulate else round(then)))
+    if spec.pp > 1 and base.peak_temporaries:
+        # a stage holds the temporaries its own modules made (the last one the loss's)
+        own = [
+            sum(n for path, n in at_peak.items() if stage_of(path) == stage)
+            for at_peak in base.peak_temporaries.values()
+        ]  # fmt: skip
+        live = held_parts + grads + max(own)
     live = max(live, params + buffers + grads + state + engine + held.transient)
     scale = activations / base.activations if base.activations else 0.0
     rounding = {
@@ -635,6 +664,12 @@ def apply_layout(base: MemoryEstimate, model: Any, spec: LayoutSpec) -> MemoryEs
         optimizer_state=state,
         activations=activations,
         live_peak=live,
+        forward_peak=None,  # live_peak is the layout's
+        backward_peak=None,
+        grads_at_peak=None if base.grads_at_peak is None else round(grads_alive),
+        backward_other_peak=None,
+        grads_at_other_peak=None,
+        peak_temporaries={},  # the layout's live_peak holds them
         by_module=by_module,
         engine=engine,
         engine_parts=parts,
@@ -788,16 +823,30 @@ def estimate_layout(
         target, dp, pp, tp, rank, num_microbatches, pipeline_schedule, zero_stage,
         reshard_after_forward, devices, prefetch, precision=precision or "fp32", cp=cp, ep=ep,
     )  # fmt: skip
+    return apply_layout(layout_step(sch, batch, spec, **estimate_kwargs), sch, spec)
+
+
+def layout_step(sch: Any, batch: Any, spec: LayoutSpec, **estimate_kwargs: Any) -> MemoryEstimate:
+    """The fake step :func:`estimate_layout` runs for ``spec`` before :func:`apply_layout` models
+    the engine: one microbatch of the whole model with ``pp`` > 1, its parameters cast as the
+    target's engine casts them (:attr:`LayoutSpec.casts_module`).
+
+    Example:
+        >>> spec = LayoutSpec("fsdp", dp=8, precision="bf16")
+        >>> base = layout_step(sch, batch, spec)
+        >>> apply_layout(base, sch, spec) == slapo.estimate_layout(sch, batch, **spec.sizes(),
+        ...     target="fsdp", precision="bf16")
+        True
+    """
     if "cast_params" in estimate_kwargs:
         raise EstimateError(
             "estimate_layout: cast_params follows from the target (LayoutSpec.casts_module); "
             "give target= and precision= instead"
         )
-    step_batch = _microbatch(batch, num_microbatches) if pp > 1 else batch
-    plain = pp > 1 and not PIPELINE_STAGES_CHECKPOINT
+    step_batch = _microbatch(batch, spec.num_microbatches) if spec.pp > 1 else batch
+    plain = spec.pp > 1 and not PIPELINE_STAGES_CHECKPOINT
     with _checkpoints_run_plainly() if plain else contextlib.nullcontext():
-        base = estimate_memory(
+        return estimate_memory(
             sch, step_batch, precision=spec.precision, cast_params=spec.casts_module,
             **estimate_kwargs,
         )  # fmt: skip
-    return apply_layout(base, sch, spec)

@@ -44,6 +44,7 @@ __all__ = [
     "checkpoint_blocks",
     "compile_blocks",
     "cut_stages",
+    "stage_cuts",
     "use_attention",
     "apply_shared_knobs",
     "require",
@@ -187,15 +188,25 @@ def compile_blocks(sch: Schedule, paths: list[str], rng: str = "eager") -> None:
         sch[path].compile(grad_only=True, rng=rng)
 
 
-def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
-    """Cut the blocks into ``num_stages`` pipeline stages of near-equal size; returns the cuts."""
+def stage_cuts(paths: list[str], num_stages: int) -> list[str]:
+    """The blocks after which ``num_stages`` pipeline stages of near-equal size end.
+
+    Example:
+        >>> stage_cuts([f"layers.{i}" for i in range(8)], 3)
+        ['layers.2', 'layers.4']
+    """
     if num_stages > len(paths):
         raise SlapoError(
             f"num_stages={num_stages} exceeds the {len(paths)} blocks of the model; a stage "
             "holds at least one block"
         )
     # Stage k ends after block round(n * (k + 1) / stages) - 1.
-    cuts = [paths[round(len(paths) * (k + 1) / num_stages) - 1] for k in range(num_stages - 1)]
+    return [paths[round(len(paths) * (k + 1) / num_stages) - 1] for k in range(num_stages - 1)]
+
+
+def cut_stages(sch: Schedule, paths: list[str], num_stages: int) -> list[str]:
+    """Cut the blocks into ``num_stages`` pipeline stages of near-equal size; returns the cuts."""
+    cuts = stage_cuts(paths, num_stages)
     for path in cuts:
         sch[path].cut_pipeline_stage()
     return cuts

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from .calibrate import calibrate_device, write_calibration
 from .hardware import (
     PRESETS,
     ClusterSpec,
@@ -28,7 +29,9 @@ __all__ = [
     "PlanError",
     "StepCounter",
     "StepPrediction",
+    "calibrate_device",
     "load_device",
     "predict_step",
     "save_device",
+    "write_calibration",
 ]

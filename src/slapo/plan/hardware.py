@@ -35,6 +35,9 @@ from ..exceptions import SlapoError
 
 __all__ = [
     "DEFAULT_EFFICIENCY",
+    "DEFAULT_HOST_GBPS",
+    "DEFAULT_HOST_GIB",
+    "DEFAULT_OVERLAP_SLOWDOWN",
     "OP_KINDS",
     "PRESETS",
     "ClusterSpec",
@@ -63,6 +66,20 @@ OP_KINDS = ("matmul", "attention", "memory", "collective")
 DEFAULT_EFFICIENCY: dict[str, float] = {
     "matmul": 0.70, "attention": 0.35, "memory": 0.80, "collective": 0.80,
 }  # fmt: skip
+
+#: How much slower compute runs while a collective overlaps it, as a fraction of the collective's
+#: time (an assumption until calibrated): NCCL's ring kernels run on the GPU's own SMs, one
+#: thread block per channel, and use 16 to 32 channels on NVLink/InfiniBand H100 systems, 12-24%
+#: of the 132 SMs; the low half is taken (the GEMMs beside them are not always SM-bound).
+DEFAULT_OVERLAP_SLOWDOWN = 0.10
+
+#: The host memory bandwidth (GB/s) a node's CPU optimizer step streams at (RoundPipe's Adam):
+#: an assumption, about half the DDR5 bandwidth of one socket of a current GPU server (8
+#: channels x 4800 MT/s x 8 bytes = 307 GB/s).
+DEFAULT_HOST_GBPS = 150.0
+#: Host memory per node (GiB) RoundPipe may fill with the model state: an assumption (8-GPU
+#: servers ship with 1-2 TiB); ``slapo plan --host-gib`` says what a node has.
+DEFAULT_HOST_GIB = 1024.0
 
 
 class DeviceSpecError(SlapoError, ValueError):
@@ -98,6 +115,13 @@ class DeviceSpec:
         hbm_gbps: memory bandwidth (GB/s).
         efficiency: achievable fraction per op kind (:data:`OP_KINDS`).
         intra_node: the link to the other GPUs of a node (NVLink, or PCIe).
+        overlap_slowdown: seconds of compute lost per second of a collective running beside it
+            (:data:`DEFAULT_OVERLAP_SLOWDOWN`).
+        host_link: the link to the host's memory (PCIe, per direction): what RoundPipe streams
+            the layers and their gradients over.
+        op_overhead_us: host time each op costs beside its work (dispatch, launch), where it
+            adds to the step: a CPU runs it on the cores that compute. A GPU's launches overlap
+            the kernels queued before them while the step is large: 0 for the GPU presets.
         source: where the numbers come from.
 
     Example:
@@ -113,6 +137,9 @@ class DeviceSpec:
     intra_node: Link
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     source: str = ""
+    overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    op_overhead_us: float = 0.0
+    host_link: Link = Link(32.0, 10.0)  # PCIe 4.0 x16 where a device says nothing else
 
     def __post_init__(self) -> None:
         _check_device(dataclasses.asdict(self), where=f"DeviceSpec {self.name!r}")
@@ -132,6 +159,11 @@ class ClusterSpec:
     """GPUs of one kind, ``gpus_per_node`` to a node, nodes joined by a network of
     ``inter_node_gbps`` (GB/s per GPU and direction) with ``inter_node_latency_us``.
 
+    A CPU host runs its ranks (``gpus_per_node`` processes) on the ``shared_cores`` its device
+    file was calibrated on, ``threads_per_rank`` threads each (torchrun starts each process with
+    one): they compute at a share of the device's rates (:meth:`rank_share`). The default 0
+    gives every rank a device of its own.
+
     Example:
         >>> c = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
         >>> c.link_for(8).gbps, c.link_for(128).gbps
@@ -142,13 +174,26 @@ class ClusterSpec:
     gpus_per_node: int = 8
     inter_node_gbps: float = 50.0
     inter_node_latency_us: float = 10.0
+    shared_cores: int = 0
+    threads_per_rank: int = 1
+    host_gbps: float = DEFAULT_HOST_GBPS
+    host_gib: float = DEFAULT_HOST_GIB
 
     def __post_init__(self) -> None:
-        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+        for name in ("gpus_per_node", "threads_per_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DeviceSpecError(f"ClusterSpec.{name} must be a positive int, got {value!r}")
+        if (
+            isinstance(self.shared_cores, bool)
+            or not isinstance(self.shared_cores, int)
+            or (self.shared_cores < 0)
+        ):
             raise DeviceSpecError(
-                f"ClusterSpec.gpus_per_node must be a positive int, got {self.gpus_per_node!r}"
+                f"ClusterSpec.shared_cores must be an int >= 0 (0: a device per rank), got "
+                f"{self.shared_cores!r}"
             )
-        for name in ("inter_node_gbps", "inter_node_latency_us"):
+        for name in ("inter_node_gbps", "inter_node_latency_us", "host_gbps", "host_gib"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
                 raise DeviceSpecError(f"ClusterSpec.{name} must be a number >= 0, got {value!r}")
@@ -156,6 +201,21 @@ class ClusterSpec:
     @property
     def inter_node(self) -> Link:
         return Link(self.inter_node_gbps, self.inter_node_latency_us)
+
+    def rank_share(self, ranks: int) -> float:
+        """The share of the device's rates one of ``ranks`` ranks computing at once on a node
+        gets: 1.0 with a device per rank (``shared_cores`` 0, GPUs); on a host whose
+        ``shared_cores`` the device was calibrated on (a CPU), each rank's
+        ``threads_per_rank`` threads at most, the cores split evenly when there are more threads.
+
+        Example:
+            >>> cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+            >>> cpu.rank_share(1), cpu.rank_share(2), cpu.rank_share(8)
+            (0.5, 0.5, 0.125)
+        """
+        if self.shared_cores == 0:
+            return 1.0
+        return min(self.threads_per_rank, self.shared_cores / max(1, ranks)) / self.shared_cores
 
     def link_for(self, group_span: int) -> Link:
         """The slowest link a group spanning ``group_span`` consecutive ranks crosses: the
@@ -196,9 +256,20 @@ def _check_device(data: Any, where: str) -> None:
         )
     _number(link["gbps"], f"{where}: field 'intra_node.gbps'")
     _number(link["latency_us"], f"{where}: field 'intra_node.latency_us'", positive=False)
+    host = data.get("host_link", {"gbps": 32.0, "latency_us": 10.0})
+    if not isinstance(host, dict) or set(host) != {"gbps", "latency_us"}:
+        raise DeviceSpecError(
+            f"{where}: field 'host_link' must be {{'gbps': .., 'latency_us': ..}}"
+        )
+    _number(host["gbps"], f"{where}: field 'host_link.gbps'")
+    _number(host["latency_us"], f"{where}: field 'host_link.latency_us'", positive=False)
     eff = data.get("efficiency", DEFAULT_EFFICIENCY)
     if not isinstance(eff, dict) or set(eff) != set(OP_KINDS):
         raise DeviceSpecError(f"{where}: field 'efficiency' must give each of {OP_KINDS}")
+    _number(data.get("op_overhead_us", 0.0), f"{where}: field 'op_overhead_us'", positive=False)
+    slowdown = data.get("overlap_slowdown", DEFAULT_OVERLAP_SLOWDOWN)
+    if _number(slowdown, f"{where}: field 'overlap_slowdown'", positive=False) > 1:
+        raise DeviceSpecError(f"{where}: field 'overlap_slowdown' is a fraction <= 1")
     for kind, value in eff.items():
         if _number(value, f"{where}: field 'efficiency.{kind}'") > 1:
             raise DeviceSpecError(
@@ -219,6 +290,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=80.0,
         hbm_gbps=3350.0,
         intra_node=Link(450.0, 3.0),  # NVLink 4: 900 GB/s both ways (H100 datasheet)
+        host_link=Link(64.0, 5.0),  # PCIe 5.0 x16, per direction
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: peaks, HBM3 3.35 TB/s)",
     ),
     # The H100 torchtitan's Llama 3.1 results ran on (Meta's Grand Teton hosts): 96 GB of HBM2e,
@@ -232,6 +304,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=96.0,
         hbm_gbps=2000.0,
         intra_node=Link(450.0, 3.0),  # NVLink 4 (H100 datasheet)
+        host_link=Link(64.0, 5.0),  # PCIe 5.0 x16, per direction
         source="H100 datasheet (SXM5 compute, PCIe HBM2e bandwidth); torchtitan docs/performance.md",
     ),
     "h200": DeviceSpec(
@@ -240,6 +313,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=141.0 * 1e9 / 2**30,
         hbm_gbps=4800.0,
         intra_node=Link(450.0, 3.0),  # NVLink 4: 900 GB/s both ways
+        host_link=Link(64.0, 5.0),  # PCIe 5.0 x16, per direction
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM: 141 GB HBM3e at 4.8 TB/s)",
     ),
     "a100-80gb-sxm": DeviceSpec(
@@ -248,6 +322,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=80.0,
         hbm_gbps=2039.0,
         intra_node=Link(300.0, 3.0),  # NVLink 3: 600 GB/s both ways
+        host_link=Link(32.0, 5.0),  # PCIe 4.0 x16, per direction
         source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: HBM2e 2,039 GB/s)",
     ),
     "b200": DeviceSpec(
@@ -256,6 +331,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=180.0,
         hbm_gbps=8000.0,
         intra_node=Link(900.0, 3.0),  # NVLink 5: 1.8 TB/s both ways
+        host_link=Link(64.0, 5.0),  # PCIe 5.0 x16, per direction
         source="NVIDIA HGX B200 specifications (8-GPU figures / 8: 1,440 GB, 64 TB/s)",
     ),
     "rtx-4090": DeviceSpec(
@@ -264,6 +340,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=24.0,
         hbm_gbps=1008.0,
         intra_node=Link(32.0, 10.0),  # no NVLink: PCIe 4.0 x16, 64 GB/s both ways
+        host_link=Link(32.0, 5.0),  # PCIe 4.0 x16, per direction
         source="NVIDIA Ada Lovelace GPU architecture whitepaper, appendix A (GDDR6X 1,008 GB/s)",
     ),
     "a800-80gb-sxm": DeviceSpec(
@@ -272,6 +349,7 @@ PRESETS: dict[str, DeviceSpec] = {
         hbm_gib=80.0,
         hbm_gbps=2039.0,
         intra_node=Link(200.0, 3.0),  # NVLink: 400 GB/s both ways (the A800's export limit)
+        host_link=Link(32.0, 5.0),  # PCIe 4.0 x16, per direction
         source="NVIDIA A800 datasheet (the A100's compute and HBM2e; NVLink 400 GB/s)",
     ),
 }
@@ -284,7 +362,10 @@ def device_from_dict(data: Any, where: str = "device") -> DeviceSpec:
     extra = set(data) - known
     if extra:
         raise DeviceSpecError(f"{where}: unknown field(s) {sorted(extra)}; known: {sorted(known)}")
-    return DeviceSpec(**{**data, "intra_node": Link(**data["intra_node"])})
+    links = {"intra_node": Link(**data["intra_node"])}
+    if "host_link" in data:
+        links["host_link"] = Link(**data["host_link"])
+    return DeviceSpec(**{**data, **links})
 
 
 def save_device(device: DeviceSpec, path: str | os.PathLike) -> Path:

@@ -55,7 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from ..exceptions import SlapoError
-from ..memory import MemoryEstimate, estimate_layout, format_bytes
+from ..memory import LayoutSpec, MemoryEstimate, apply_layout, format_bytes, layout_step
+from ..memory.units import reserved_bytes
 from ..throughput import model_flops_per_token
 from .hardware import ClusterSpec
 
@@ -64,8 +65,10 @@ __all__ = [
     "COMPILE_MEMORY_TRAFFIC",
     "PlanError",
     "StepCounter",
+    "StepCounts",
     "StepPrediction",
     "predict_step",
+    "time_step",
 ]
 
 #: Fraction of the eager memory-bound bytes a compiled forward/backward moves. An assumption
@@ -154,8 +157,8 @@ def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, i
     size = _arg(func, args, kwargs, "group_size")
     process_group = _arg(func, args, kwargs, "process_group")
     if not isinstance(size, int) and process_group is not None:
-        try:  # c10d's ops take the group itself
-            size = process_group.size()
+        try:  # c10d's ops take the group itself, boxed as a script object
+            size = dist.ProcessGroup.unbox(process_group).size()
         except Exception:  # noqa: S110 - fall back to resolving by name
             pass
     if not isinstance(size, int):
@@ -200,6 +203,8 @@ class StepCounter(TorchDispatchMode):
         self.flops: dict[tuple[str, str], int] = {}
         self.memory_bytes: dict[str, int] = {}
         self.collectives: dict[tuple[str, str, int], int] = {}
+        self.collective_calls: dict[tuple[str, str, int], int] = {}
+        self.ops: dict[str, int] = {}
         self._seen_backward = False
 
     def _phase(self) -> str:
@@ -213,6 +218,8 @@ class StepCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         phase = self._phase()
+        if not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
+            self.ops[phase] = self.ops.get(phase, 0) + 1
         if packet in _MATMUL_PACKETS and packet in flop_registry:
             n = flop_registry[packet](*args, **kwargs, out_val=out)
             self.flops[(phase, "matmul")] = self.flops.get((phase, "matmul"), 0) + int(n)
@@ -223,10 +230,54 @@ class StepCounter(TorchDispatchMode):
             name, size, sent = _collective_bytes(func, args, kwargs)
             key = (phase, name, size)
             self.collectives[key] = self.collectives.get(key, 0) + sent
+            self.collective_calls[key] = self.collective_calls.get(key, 0) + 1
         elif not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
             n = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
             self.memory_bytes[phase] = self.memory_bytes.get(phase, 0) + n
         return out
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What a fake step did (:class:`StepCounter`'s counts), as a value: FLOPs by (phase, kind),
+    memory-bound bytes by phase, collective bytes by (phase, op name, group size).
+
+    Counts combine linearly (:meth:`combine`): a stack of identical blocks costs its depth times
+    one block, which is how the planner reaches 80 layers from fake steps of two and three.
+
+    Example:
+        >>> one, two = StepCounts.of(counter_1), StepCounts.of(counter_2)
+        >>> eighty = StepCounts.combine((at_2, -77), (at_3, 78))   # at_2 + 78 x (at_3 - at_2)
+    """
+
+    flops: dict[tuple[str, str], int] = field(default_factory=dict)
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    collectives: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    collective_calls: dict[tuple[str, str, int], int] = field(default_factory=dict)
+    ops: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, counter: StepCounter) -> StepCounts:
+        return cls(
+            dict(counter.flops), dict(counter.memory_bytes), dict(counter.collectives),
+            dict(counter.collective_calls), dict(counter.ops),
+        )  # fmt: skip
+
+    @staticmethod
+    def combine(*weighted: tuple[StepCounts, float]) -> StepCounts:
+        """The sum of ``weight x counts`` (negative terms clamp at 0, per entry)."""
+
+        def mix(name: str) -> dict[Any, int]:
+            keys = {k for counts, _ in weighted for k in getattr(counts, name)}
+            return {
+                k: max(0, round(sum(w * getattr(c, name).get(k, 0) for c, w in weighted)))
+                for k in keys
+            }
+
+        return StepCounts(
+            mix("flops"), mix("memory_bytes"), mix("collectives"), mix("collective_calls"),
+            mix("ops"),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -292,6 +343,57 @@ def _units(model: nn.Module) -> int:
     return (getattr(config, "num_hidden_layers", 0) or 0) + 1
 
 
+def _compute_dtype(precision: str) -> str:
+    """The peak a precision computes at: 16-bit at its own; float32 at TF32's (``allow_tf32``)."""
+    return {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(
+        str(precision), "tf32"
+    )
+
+
+def _check_cluster(cluster: Any) -> None:
+    if not isinstance(cluster, ClusterSpec):
+        raise PlanError(
+            f"predict_step: cluster must be a slapo.plan.ClusterSpec, got {type(cluster).__name__}"
+            " (e.g. ClusterSpec(PRESETS['h100-sxm'], gpus_per_node=8, inter_node_gbps=50.0))"
+        )
+
+
+#: Bytes of host memory RoundPipe's CPU Adam step streams per parameter: the float32 master
+#: weight and both moments read and written (24), the 16-bit gradient read and the 16-bit copy
+#: for the devices written (4).
+ROUNDPIPE_OPTIMIZER_BYTES = 28
+
+
+def _roundpipe_seconds(
+    compute: float, model: nn.Module, spec: LayoutSpec, cluster: ClusterSpec, dtype: str,
+    terms: dict[str, float],
+) -> tuple[float, int]:  # fmt: skip
+    """RoundPipe's step on ``spec.devices`` devices of one node (its one process): the stages'
+    compute round-robin over the devices; each stage's parameters uploaded for the forward and
+    again for the backward and its gradients downloaded, over each device's host link, hidden
+    behind the compute (uploads prefetched) but for what exceeds it; then the optimizer step on
+    the host (synchronous, as ``slapo train`` runs it). Returns (seconds, devices)."""
+    dev, devices = cluster.device, max(1, spec.devices)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    width = 2 if dtype in ("bf16", "fp16") else 4
+    link = dev.host_link
+    transfer = link.seconds(
+        3 * n_params * width / devices, efficiency=dev.efficiency["collective"]
+    )  # fmt: skip
+    on_devices = compute / devices
+    exposed = max(0.0, transfer - on_devices)
+    optimizer = n_params * ROUNDPIPE_OPTIMIZER_BYTES / (cluster.host_gbps * 1e9)
+    for key in list(terms):
+        if "optimizer" in key:
+            del terms[key]  # the device's optimizer terms: RoundPipe steps on the host
+        else:
+            terms[key] /= devices  # each device's share of the compute
+    terms["roundpipe host link (exposed)"] = exposed
+    terms["roundpipe host optimizer step"] = optimizer
+    terms["roundpipe compute per device"] = on_devices
+    return on_devices + exposed + optimizer, devices
+
+
 def predict_step(
     sch: Any,
     batch: Any,
@@ -323,7 +425,7 @@ def predict_step(
         precision: ``"bf16"``/``"fp16"`` count at that peak; ``"fp32"`` at the TF32 peak
             (float32 matmuls on the tensor cores, as ``allow_tf32`` runs them).
         reduce_dtype: the dtype FSDP2 reduce-scatters gradients in.
-        seq_len: for MFU's attention term (default: the batch's last dimension).
+        seq_len: for MFU's attention term (default: the batch's last dimension x cp).
         **estimate_kwargs: ``optimizer``, ``device`` ... of :func:`slapo.estimate_memory`
             (``device`` defaults to ``"cuda"``).
 
@@ -336,44 +438,90 @@ def predict_step(
         >>> pred.seconds > 0, 0 < pred.mfu < 1
         (True, True)
     """
-    if not isinstance(cluster, ClusterSpec):
-        raise PlanError(
-            f"predict_step: cluster must be a slapo.plan.ClusterSpec, got {type(cluster).__name__}"
-            " (e.g. ClusterSpec(PRESETS['h100-sxm'], gpus_per_node=8, inter_node_gbps=50.0))"
-        )
-    dev = cluster.device
-    dtype = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(
-        str(precision), "tf32"
-    )
+    _check_cluster(cluster)
+    spec = LayoutSpec(
+        target, dp, pp, tp, 0, num_microbatches, pipeline_schedule, precision=precision, cp=cp,
+        ep=ep,
+    )  # fmt: skip
     estimate_kwargs.setdefault("device", "cuda")
     counter = StepCounter()
     with counter:
-        est = estimate_layout(
-            sch, batch, target=target, dp=dp, pp=pp, tp=tp, cp=cp, ep=ep,
-            num_microbatches=num_microbatches, pipeline_schedule=pipeline_schedule,
-            precision=precision, **estimate_kwargs,
-        )  # fmt: skip
-    model = _module(sch)
+        base = layout_step(sch, batch, spec, **estimate_kwargs)
+    est = apply_layout(base, sch, spec)
+    seq = seq_len or next(_tensors(batch)).shape[-1] * cp
+    return time_step(
+        StepCounts.of(counter), est, _module(sch), _tokens(batch), seq, spec, cluster,
+        compile=compile, reduce_dtype=reduce_dtype,
+    )  # fmt: skip
+
+
+def time_step(
+    counts: StepCounts,
+    est: MemoryEstimate,
+    model: nn.Module,
+    tokens: int,
+    seq_len: int,
+    spec: LayoutSpec,
+    cluster: ClusterSpec,
+    *,
+    compile: bool = False,
+    reduce_dtype: torch.dtype = torch.float32,
+    float8: bool = False,
+) -> StepPrediction:
+    """Seconds, tokens/s, MFU and memory of one rank's step from its counts (module doc).
+
+    Args:
+        counts: the fake step's work (one microbatch of the whole model when ``spec.pp`` > 1).
+        est: the rank's memory estimate (:func:`slapo.memory.apply_layout` of the fake step).
+        model: the whole model (its parameters, layers and config, on any device).
+        tokens: the tokens one data-parallel rank trains on in a step (a cp rank's share).
+        seq_len: the full sequence length (for MFU's attention FLOPs).
+        spec: the layout (:class:`slapo.memory.LayoutSpec`).
+        cluster, compile, reduce_dtype: as for :func:`predict_step`.
+        float8: the matmuls run at the device's fp8 peak (float8 linear layers, torchao-style:
+            the attention and every other op keep the 16-bit rates); MFU stays over the bf16
+            peak, as torchtitan reports it.
+
+    Example:
+        >>> pred = time_step(counts, est, model, 16384, 8192, LayoutSpec("fsdp", dp=8), cluster)
+    """
+    _check_cluster(cluster)
+    dev = cluster.device
+    dtype = _compute_dtype(spec.precision)
+    if dtype == "tf32" and "tf32" not in dev.peak_tflops:  # a CPU: float32 at its fp32 rate
+        dtype = "fp32"
+    target, dp, pp, tp, cp = spec.target, spec.dp, spec.pp, spec.tp, spec.cp
+    num_microbatches = spec.num_microbatches
     shards = dp * cp if target in ("fsdp", "deepspeed") else 1
 
     # --- compute: seconds by phase (the fake step ran one microbatch of the whole model when
     # pp > 1: one stage's slot is 1/pp of it)
     per_stage = 1.0 / pp
+    # ranks sharing one host's cores (a CPU, ClusterSpec.shared_cores) compute at a share of
+    # the device's rates; 1.0 with a GPU per rank
+    share = cluster.rank_share(min(dp * pp * tp * cp, cluster.gpus_per_node))
     compute: dict[str, float] = {}
     terms: dict[str, float] = {}
-    for (phase, kind), flops in counter.flops.items():
-        s = flops / (dev.achievable_tflops(kind, dtype) * 1e12) * per_stage
+    for (phase, kind), flops in counts.flops.items():
+        rate = dev.achievable_tflops(kind, "fp8" if float8 and kind == "matmul" else dtype)
+        s = flops / (rate * 1e12) * per_stage / share
         compute[phase] = compute.get(phase, 0.0) + s
         terms[f"{kind} ({phase})"] = terms.get(f"{kind} ({phase})", 0.0) + s
-    for phase, nbytes in counter.memory_bytes.items():
+    for phase, nbytes in counts.memory_bytes.items():
         scale = per_stage
         if phase == "optimizer":
             scale /= shards  # the optimizer steps this rank's shard only
         elif compile:
             scale *= COMPILE_MEMORY_TRAFFIC
-        s = nbytes * scale / (dev.hbm_gbps * 1e9 * dev.efficiency["memory"])
+        s = nbytes * scale / (dev.hbm_gbps * 1e9 * dev.efficiency["memory"]) / share
         compute[phase] = compute.get(phase, 0.0) + s
         terms[f"memory-bound ({phase})"] = s
+    if dev.op_overhead_us > 0:  # each op's dispatch, on the host that computes (a CPU)
+        for phase, ops in counts.ops.items():
+            scale = per_stage * (COMPILE_MEMORY_TRAFFIC if compile and phase != "optimizer" else 1)
+            s = ops * scale * dev.op_overhead_us * 1e-6
+            compute[phase] = compute.get(phase, 0.0) + s
+            terms[f"op overhead ({phase})"] = s
     slots = num_microbatches + pp - 1 if pp > 1 else 1
     fwd, bwd = compute.get("forward", 0.0) * slots, compute.get("backward", 0.0) * slots
     opt = compute.get("optimizer", 0.0)
@@ -386,16 +534,19 @@ def predict_step(
     # --- collectives the fake step ran (tp, cp), exposed
     eff = dev.efficiency["collective"]
     exposed = 0.0
-    for (phase, name, size), sent in counter.collectives.items():
+    for (phase, name, size), sent in counts.collectives.items():
         span = size if size == tp else size * tp  # a cp group strides over tp ranks
         link = cluster.link_for(span)
-        s = link.seconds(sent, efficiency=eff, messages=size - 1) * (
+        # one stage's share of the model's collectives, per microbatch
+        calls = counts.collective_calls.get((phase, name, size), 1) * per_stage
+        s = link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1)) * (
             num_microbatches if pp > 1 else 1
         )
         exposed += s
         terms[f"{name} x{size} ({phase})"] = terms.get(f"{name} x{size} ({phase})", 0.0) + s
 
-    # --- the data-parallel engine's collectives, overlapped as the engine overlaps them
+    # --- the data-parallel engine's collectives, overlapped as the engine overlaps them; the
+    # compute they overlap runs slower by the device's overlap_slowdown
     dp_group = dp * cp
     local = {id(p): p for p in model.parameters()}.values()
     n_params = sum(p.numel() for p in local) / pp
@@ -417,6 +568,7 @@ def predict_step(
             terms["fsdp reduce-scatter (exposed)"] = exposed_dp - terms["fsdp all-gather (exposed)"]
             hidden["fsdp all-gather x2"] = 2 * ag
             hidden["fsdp reduce-scatter"] = rs
+            overlapped = min(ag - first, fwd) + min((ag - first) + (rs - last), bwd)
         else:
             grad_bytes = 2 * n_params * 4 * ring
             ar = link.seconds(grad_bytes, efficiency=eff, messages=2 * (dp_group - 1))
@@ -424,24 +576,32 @@ def predict_step(
             exposed_dp = last + max(0.0, ar - last - bwd)
             terms["ddp all-reduce (exposed)"] = exposed_dp
             hidden["ddp all-reduce"] = ar
+            overlapped = min(ar - last, bwd)
         exposed += exposed_dp
+        if overlapped > 0 and dev.overlap_slowdown > 0:
+            slowdown = overlapped * dev.overlap_slowdown
+            terms["compute slowed by overlapped collectives"] = slowdown
+            exposed += slowdown
     if pp > 1:  # one boundary activation each way per microbatch (the batch's tokens x hidden)
         width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
-        act = _tokens(batch) / num_microbatches * width * (2 if dtype in ("bf16", "fp16") else 4)
+        act = tokens / num_microbatches * width * (2 if dtype in ("bf16", "fp16") else 4)
         link = cluster.link_for(pp * cp * tp)
         sends = 2 * slots * link.seconds(act, efficiency=eff)
         exposed += sends
         terms["pipeline sends"] = sends
 
     seconds = fwd + bwd + opt + exposed
-    tokens = _tokens(batch)
-    seq = seq_len or next(_tensors(batch)).shape[-1] * cp
     world = dp * pp * tp * cp
+    if target == "roundpipe":
+        seconds, world = _roundpipe_seconds(fwd + bwd, model, spec, cluster, dtype, terms)
     tokens_per_gpu = tokens * dp * cp / world / seconds
-    flops_per_token = model_flops_per_token(model, seq)
+    # the whole model's FLOPs (a tensor-parallel rank's module holds shards: its config does not)
+    flops_per_token = model_flops_per_token(getattr(model, "config", None) or model, seq_len)
     mfu = tokens_per_gpu * flops_per_token / (dev.peak_tflops[dtype] * 1e12)
 
     reserved = est.reserved
+    if target == "roundpipe":  # the host holds the model; a device its streamed stages
+        reserved = reserved_bytes(est.device_resident or 0, 0)
     memory_terms = {
         "params": est.params, "grads": est.grads, "optimizer_state": est.optimizer_state,
         "activations": est.activations, "engine": est.engine,
@@ -450,11 +610,11 @@ def predict_step(
         cut = int(est.activations * (1 - COMPILE_ACTIVATIONS))
         memory_terms["activations"] -= cut
         reserved -= cut
-    counts = {
-        "flops": dict(counter.flops), "memory_bytes": dict(counter.memory_bytes),
-        "collectives": dict(counter.collectives), "hidden_collective_seconds": hidden,
+    counts_dict = {
+        "flops": dict(counts.flops), "memory_bytes": dict(counts.memory_bytes),
+        "collectives": dict(counts.collectives), "hidden_collective_seconds": hidden,
     }  # fmt: skip
     return StepPrediction(
         seconds=seconds, tokens_per_s_per_gpu=tokens_per_gpu, mfu=mfu, memory_bytes=reserved,
-        memory=est, time_terms=terms, memory_terms=memory_terms, counts=counts,
+        memory=est, time_terms=terms, memory_terms=memory_terms, counts=counts_dict,
     )  # fmt: skip

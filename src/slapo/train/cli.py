@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..exceptions import SlapoError
 from ..tune.memory import Estimator, register_command_estimator, train_argv
+from ..tune.predict import register_command_predictor
 from ..tune.space import Value
 from ..tune.trial import config_to_flags
 from .config import InputError, TrainConfig
@@ -34,7 +35,9 @@ from .memory import estimate_config
 from .model_source import model_label
 from .report import format_summary
 
-__all__ = ["add_parser", "config_from_args", "train_estimator"]
+__all__ = [
+    "add_parser", "config_from_args", "train_estimator", "train_predictor", "trial_config",
+]  # fmt: skip
 
 HELP = "train a transformers model (yours, or a small one) on your data or the embedded corpus"
 DESCRIPTION = """The main job: train a small transformers model on the embedded corpus with a
@@ -194,20 +197,58 @@ def train_estimator(command: Sequence[str]) -> Estimator | None:
         return None
 
     def estimate(cfg: Mapping[str, Value]) -> Any:
-        # dp is no flag: the tuner launches dp * tp * pp processes (slapo.tune.launch)
-        dp = cfg.get("dp")
-        flags = config_to_flags({k: v for k, v in cfg.items() if k != "dp"})
-        parser = argparse.ArgumentParser(prog="slapo", exit_on_error=False)
-        add_parser(parser.add_subparsers(dest="command"))
-        try:
-            args = parser.parse_args(["train", *argv, *flags])
-        except (argparse.ArgumentError, SystemExit) as exc:
-            raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
-        cfg = config_from_args(args)
-        try:
-            cfg.check()
-        except InputError as exc:  # as argparse's own errors above
-            raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
-        return estimate_config(cfg, dp=None if dp is None else int(dp))
+        train_cfg, dp = trial_config(argv, cfg)
+        return estimate_config(train_cfg, dp=dp)
 
     return estimate
+
+
+def trial_config(argv: Sequence[str], cfg: Mapping[str, Value]) -> tuple[TrainConfig, int | None]:
+    """The :class:`TrainConfig` a tuning trial runs (``slapo train``'s flags ``argv`` followed by
+    the configuration's) and its ``dp`` replicas (a layout symbol, not a flag: the processes the
+    tuner launches beyond ``tp * pp * cp``; None when the configuration has none).
+
+    Example:
+        >>> trial_config(["--model", "opt"], {"dp": 2, "tp": 2})[0].tp
+        2
+    """
+    # dp is no flag: the tuner launches dp * tp * pp processes (slapo.tune.launch)
+    dp = cfg.get("dp")
+    flags = config_to_flags({k: v for k, v in cfg.items() if k != "dp"})
+    parser = argparse.ArgumentParser(prog="slapo", exit_on_error=False)
+    add_parser(parser.add_subparsers(dest="command"))
+    try:
+        args = parser.parse_args(["train", *argv, *flags])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+    train_cfg = config_from_args(args)
+    try:
+        train_cfg.check()
+    except InputError as exc:  # as argparse's own errors above
+        raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+    return train_cfg, None if dp is None else int(dp)
+
+
+@register_command_predictor
+def train_predictor(command: Sequence[str], cluster: Any) -> Any:
+    """``predict(cfg)`` of a ``slapo train`` command on ``cluster`` (a
+    :class:`slapo.plan.ClusterSpec`): the trial's step as :func:`slapo.plan.predict_config`
+    predicts it (None for any other command). ``slapo tune --predict`` orders its trials by it.
+
+    Example:
+        >>> predict = train_predictor(["slapo", "train", "--model", "opt"], cluster)
+        >>> predict({"ckpt_ratio": 1.0}).tokens_per_s_per_gpu > 0
+        True
+    """
+    argv = train_argv(command)
+    if argv is None:
+        return None
+    from ..plan.search import predict_config  # deferred: fake tensors load on first use
+
+    cache: dict[Any, Any] = {}
+
+    def predict(cfg: Mapping[str, Value]) -> Any:
+        train_cfg, dp = trial_config(argv, cfg)
+        return predict_config(train_cfg, cluster, dp=dp or 1, cache=cache)
+
+    return predict

@@ -17,6 +17,7 @@ __all__ = [
     "estimate_placement",
     "estimate_run",
     "estimated_peak_mb",
+    "estimated_schedule",
     "layout_spec",
 ]
 
@@ -333,6 +334,31 @@ def _within_vocab(batch: dict[str, Any], model: Any) -> dict[str, Any]:
     return out
 
 
+def estimated_schedule(
+    cfg: Any, spec: Any, batch: Any, layout: Any, groups: dict[str, Any] | None = None
+) -> tuple[Any, Any]:
+    """The schedule ``slapo train`` would build from ``cfg`` for one rank of ``spec``, its model
+    on the meta device (a model directory's weights stay unread), over ``layout``'s
+    tensor-parallel group, its attention and experts over the cp and ep ``groups``; and that
+    rank's part of ``batch``. What :func:`estimate_config` estimates, and the planner
+    (:mod:`slapo.plan`) counts.
+
+    Example:
+        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:
+        ...     sch, local = estimated_schedule(cfg, layout_spec(cfg), batch, Layout(), groups)
+    """
+    from ..initialization import init_empty_weights
+    from .layout import schedule_for  # the very schedule slapo train builds from cfg
+    from .presets import build_model
+
+    with init_empty_weights():
+        model = build_model(cfg, weights=False)
+    model.train()
+    batch = _within_vocab(batch, model)
+    sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
+    return sch, _split_context_experts(sch.mod, spec, groups or {}, batch)
+
+
 def _estimate_spec(
     cfg: Any,
     spec: Any,
@@ -345,17 +371,9 @@ def _estimate_spec(
     """``estimate_layout`` of ``cfg``'s model, on the meta device, scheduled over ``layout``,
     its attention and experts over the cp and ep ``groups`` (:func:`_split_context_experts`),
     for ``device`` (a type; None: the CPU)."""
-    from ..initialization import init_empty_weights
     from ..memory import estimate_layout
-    from .layout import schedule_for  # the very schedule slapo train builds from cfg
-    from .presets import build_model
 
-    with init_empty_weights():
-        model = build_model(cfg, weights=False)  # a model directory's weights stay unread
-    model.train()
-    batch = _within_vocab(batch, model)
-    sch = schedule_for(cfg, model, layout, scheduled=not cfg.unscheduled)
-    batch = _split_context_experts(sch.mod, spec, groups or {}, batch)
+    sch, batch = estimated_schedule(cfg, spec, batch, layout, groups)
     fields = {f.name for f in dataclasses.fields(spec)}
     return estimate_layout(
         sch, batch, **{k: getattr(spec, k) for k in fields},

@@ -32,8 +32,9 @@ from ..memory import memory_size_arg
 from .database import Database, DatabaseCorruptError
 from .launch import layout_processes
 from .memory import Estimator, command_estimator, required_bytes
+from .predict import command_predictor, rank_by_prediction
 from .report import best_table, plot_search
-from .space import Space, UpdateSpaceFn
+from .space import Space, UpdateSpaceFn, config_key
 from .strategies import STRATEGIES
 from .tuner import DIRECTIONS, TuneError, Tuner, default_plot_path
 
@@ -135,6 +136,35 @@ def find_estimator(config: Any, command: Sequence[str], args: TrainingArgs) -> E
     return estimate
 
 
+def _predicted(
+    args: argparse.Namespace, space: Any, command: Sequence[str], estimate: Estimator | None
+) -> tuple[list[Any], Estimator | None, int | None]:
+    """``--predict``: the space's configurations fastest predicted first, and (without a
+    ``--memory-budget``) the device's memory as the budget, the predictions' estimates as the
+    estimate. Raises :class:`TuneError` for a command the planner cannot predict."""
+    from ..plan.cli import GPU_NAMES
+    from ..plan.hardware import PRESETS, ClusterSpec, load_device
+
+    name = GPU_NAMES.get(str(args.predict).lower())
+    device = PRESETS[name] if name else load_device(args.predict)
+    predict = command_predictor(command, ClusterSpec(device))
+    if predict is None:
+        raise TuneError(
+            "--predict needs a slapo train command (the planner predicts what slapo train builds)"
+        )
+    ranked, predictions = rank_by_prediction(list(space), predict)
+    by_key = {config_key(cfg): predictions[i] for i, cfg in enumerate(ranked)}
+    budget = args.memory_budget
+    if budget is None:
+        budget = int(device.hbm_gib * 2**30)
+
+        def estimate(cfg: Any) -> Any:
+            pred = by_key.get(config_key(cfg))
+            return None if pred is None else pred.memory_bytes
+
+    return ranked, estimate, budget
+
+
 def _positive_float(text: str) -> float:
     val = float(text)
     if not val > 0:
@@ -183,6 +213,14 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "processes (dp * pp * cp * tp)",
     )
     p.add_argument(
+        "--predict",
+        default=None,
+        metavar="DEVICE",
+        help="run the trials the planner predicts fastest first, and skip those it predicts "
+        "do not fit DEVICE's memory: a device preset (h100, a100, ...) or a device file "
+        "(slapo plan --calibrate); slapo train commands only",
+    )
+    p.add_argument(
         "trial_command",
         metavar="COMMAND",
         nargs=argparse.REMAINDER,
@@ -226,6 +264,8 @@ def run_tune(args: argparse.Namespace) -> int:
         estimate = None
         if args.memory_budget is not None:
             estimate = find_estimator(config, command, training_args)
+        if args.predict is not None:
+            space, estimate, args.memory_budget = _predicted(args, space, command, estimate)
         if args.dry_run:
             return _dry_run(space, estimate, args.memory_budget, command, args.max_procs)
         db = Database(args.db)

@@ -1,0 +1,244 @@
+"""The planner's predicted step time of the main job beside the measured one, on this CPU.
+
+For each layout of the main job (``slapo train``'s defaults: Llama ``tiny``, batch 8 per
+replica, 128 tokens, fp32 on the CPU): eager (one process), ddp and fsdp (2 processes), a
+pipeline (``--pp 2``) and dp2 x pp2 x tp2 (8 processes),
+
+1. the prediction: :func:`slapo.plan.search.predict_config` of the very ``TrainConfig`` the run
+   uses (its model a config-only directory of the same model), on a ``ClusterSpec`` of this host:
+   the device calibrated here (:func:`slapo.plan.calibrate.calibrate_device`, fp32), every rank
+   on the host's cores (``shared_cores``), one thread per torchrun process and all the cores for
+   the single process (``threads_per_rank``). The cores are shared with whatever else runs here,
+   and a calibration on all of them halves (or worse) when one core is busy elsewhere (an op on
+   two threads waits for its slowest one), so one calibration runs before each measured run and
+   each rate is the best of them (:func:`best_of`): the host's own rates. ``--device-file``
+   caches that device (read if it exists);
+2. the measurement: the real ``slapo train`` (``torchrun --nproc-per-node N -m slapo train``
+   beyond one process) for ``--steps`` steps; its seconds per step are the median of the steps
+   after the first ``1 + MEMORY_SAMPLE_STEPS`` (the first compiles and warms up, the next ones
+   count saved bytes with hooks), from rank 0's ``metrics.json``.
+
+Printed: the layout, predicted and measured seconds per step (the fastest steady step too), their
+ratios and the prediction's largest terms. It exits non-zero only when a run or a prediction
+fails; it asserts nothing about timings. About two minutes on 2 cores.
+
+    .venv/bin/python benchmarks/plan_step_time.py [--steps 24] [--device-file cpu.json]
+        [--layouts eager,ddp,fsdp,pipeline,dp2-pp2-tp2] [--json out.json]
+
+Measured here (2 shared vCPUs, AMD EPYC, torch 2.13; other work kept the load average at 2.5-8),
+two runs of this benchmark: A with the best calibrated rates fp32 GEMMs 0.219 TFLOPS, attention
+0.123 TFLOPS, memory 72 GB/s (the cores free during one calibration at least), B with every
+calibration disturbed (best 0.098 TFLOPS, 0.030 TFLOPS, 27 GB/s):
+
+    layout       procs  A: predicted measured ratio   B: predicted measured ratio
+    eager            1        0.030    0.040  0.76          0.078    0.128  0.61
+    ddp              2        0.072    0.105  0.68          0.180    0.159  1.13
+    fsdp             2        0.069    0.257  0.27          0.175    0.135  1.30
+    pipeline         2        0.053    0.092  0.58          0.134    0.138  0.97
+    dp2-pp2-tp2      8        0.125    0.428  0.29          0.311    0.420  0.74
+
+Over six runs the measured medians spread: eager 0.037-0.128 s (fastest steps 0.036-0.045 s),
+ddp 0.105-0.229 s, fsdp 0.135-0.279 s, pipeline 0.092-0.153 s, dp2-pp2-tp2 0.38-0.47 s. What
+the model leaves out (no per-layout factor corrects it):
+
+* the other processes on these cores: the prediction assumes the cores free; the measured steps
+  and the calibrations both run beside whatever else runs, and a two-thread op waits for its
+  slower thread (the calibrated fp32 GEMM rate ranged 0.045-0.22 TFLOPS, attention
+  0.024-0.123), so the ratio moves 2-4x from run to run;
+* the shapes: the calibration times attention at 1024 tokens and head dim 64, the main job runs
+  128 tokens and head dim 32 (one thread: 38 against 60 GFLOPS); and per-op dispatch (about
+  1,750 aten ops a step: an uncompiled step on one thread took 0.100 s against 0.089 s of
+  counted work);
+* eight processes on two cores: each rank computes at an eighth of the host (the share model),
+  but every tensor-parallel all-reduce and pipeline send waits for a peer that is not running,
+  about a scheduler slice each; the counts have no number of collectives to charge it to.
+  (gloo alone on two idle processes: all-gather / reduce-scatter / all-reduce of 100k floats
+  0.4 / 0.6 / 0.4 ms.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slapo.plan.calibrate import calibrate_device
+from slapo.plan.hardware import ClusterSpec, DeviceSpec, Link, load_device, save_device
+from slapo.plan.search import predict_config
+from slapo.plan.step_time import StepPrediction
+from slapo.train.config import TrainConfig
+from slapo.train.loop import MEMORY_SAMPLE_STEPS
+
+# name: (processes, slapo train flags)
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "eager": (1, []),
+    "ddp": (2, ["--target", "ddp"]),
+    "fsdp": (2, ["--target", "fsdp"]),
+    "pipeline": (2, ["--pp", "2"]),
+    "dp2-pp2-tp2": (8, ["--tp", "2", "--pp", "2"]),
+}
+#: Steps left out of the measured figure: the first (compilation, warm-up) and those whose saved
+#: bytes are counted by hooks (slapo.train.loop.MEMORY_SAMPLE_STEPS).
+SKIPPED_STEPS = 1 + MEMORY_SAMPLE_STEPS
+
+
+def run_config(flags: list[str]) -> TrainConfig:
+    """The ``TrainConfig`` ``slapo train --device cpu <flags>`` runs (its own parser)."""
+    from slapo.cli import build_parser
+    from slapo.train.cli import config_from_args
+
+    args = build_parser().parse_args(["train", "--device", "cpu", *flags])
+    return config_from_args(args)
+
+
+def model_directory(cfg: TrainConfig, root: Path) -> Path:
+    """A config-only directory of ``cfg``'s model (what ``predict_config`` reads)."""
+    from slapo.initialization import init_empty_weights
+    from slapo.train.presets import build_model
+
+    with init_empty_weights():
+        model = build_model(cfg, weights=False)
+    path = root / "model"
+    model.config.save_pretrained(path)
+    return path
+
+
+def best_of(runs: list[DeviceSpec]) -> DeviceSpec:
+    """The fastest rate of each kind over ``runs`` (calibrations of one host): other processes
+    on these cores only ever slow a measurement (an op on all the cores waits for its slowest
+    thread, so one busy core can halve it), so the best of a few is the host's own rate."""
+    fp32 = max(r.peak_tflops["fp32"] for r in runs)
+    attention = max(r.achievable_tflops("attention", "fp32") for r in runs)
+    link = Link(max(r.intra_node.gbps for r in runs), min(r.intra_node.latency_us for r in runs))
+    best = runs[0]
+    return dataclasses.replace(
+        best,
+        peak_tflops={dt: max(r.peak_tflops[dt] for r in runs) for dt in best.peak_tflops},
+        hbm_gbps=max(r.hbm_gbps for r in runs),
+        efficiency={**best.efficiency, "attention": min(1.0, round(attention / fp32, 4))},
+        intra_node=link,
+        source=f"best of {len(runs)} calibrations, each rate its own best; the first: "
+        + best.source,
+    )
+
+
+def calibrate(quick: bool) -> DeviceSpec:
+    """This CPU calibrated once in fp32 (the main job's precision here), its rates printed."""
+    r = calibrate_device("cpu", dtype="fp32", world=2, quick=quick)
+    print(f"calibrated (load {os.getloadavg()[0]:.1f}): fp32 {r.peak_tflops['fp32']:.4g} TFLOPS, "
+          f"attention {r.achievable_tflops('attention', 'fp32'):.4g} TFLOPS, memory "
+          f"{r.hbm_gbps} GB/s, gloo {r.intra_node.gbps} GB/s {r.intra_node.latency_us} us",
+          flush=True)  # fmt: skip
+    return r
+
+
+def cluster_for(dev: DeviceSpec, processes: int) -> ClusterSpec:
+    """This host running ``processes`` ranks on the cores ``dev`` was calibrated on: torchrun
+    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all."""
+    cores = torch.get_num_threads()
+    threads = cores if processes == 1 else int(os.environ.get("OMP_NUM_THREADS", "1"))
+    return ClusterSpec(dev, gpus_per_node=processes, shared_cores=cores, threads_per_rank=threads)
+
+
+def predict(cfg: TrainConfig, model_dir: Path, dev: DeviceSpec, processes: int) -> StepPrediction:
+    dp = processes // (cfg.tp * cfg.pp * cfg.cp)
+    planned = dataclasses.replace(cfg, model=str(model_dir))
+    return predict_config(planned, cluster_for(dev, processes), dp=dp)
+
+
+def measure(processes: int, flags: list[str], out: Path, steps: int) -> dict[str, float]:
+    """Seconds per step of the real run: median and fastest of the steady steps."""
+    train = ["-m", "slapo", "train", "--device", "cpu", "--steps", str(steps), "--no-progress",
+             "--no-sample", "--no-tensorboard", "--baseline-steps", "0", *flags,
+             "--output-dir", str(out)]  # fmt: skip
+    launch = [sys.executable]
+    if processes > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc-per-node", str(processes)]
+    t0 = time.perf_counter()
+    done = subprocess.run([*launch, *train], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode:
+        raise SystemExit(f"{' '.join(launch + train)} failed:\n{done.stderr[-3000:]}")
+    metrics = json.loads((out / "metrics.json").read_text())
+    tokens = metrics["config"]["batch_size"] * metrics["config"]["seq_len"]
+    tokens *= processes // (metrics["config"]["tp"] * metrics["config"]["pp"])
+    seconds = [tokens / tps for tps in metrics["step_tokens_per_s"][SKIPPED_STEPS:]]
+    return {"median": statistics.median(seconds), "fastest": min(seconds), "wall": wall}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--device-file", help="the CPU's calibration (read if it exists, else "
+                        "calibrated before each run and the best rates written there)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="quick calibrations")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--json", help="write the table as JSON here")
+    args = parser.parse_args()
+    if args.steps <= SKIPPED_STEPS:
+        parser.error(f"--steps must exceed the {SKIPPED_STEPS} warm-up steps left out")
+    names = args.layouts.split(",")
+    unknown = set(names) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"--layouts: unknown {sorted(unknown)}; choose from {list(LAYOUTS)}")
+    started = time.perf_counter()
+    known = args.device_file and Path(args.device_file).exists()
+    calibrations = [load_device(args.device_file)] if known else []
+    measured: dict[str, dict[str, float]] = {}
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="plan-step-time-") as tmp:
+        root = Path(tmp)
+        # measure first, a calibration before each run: the best rates of the whole window
+        for name in names:
+            if not known:
+                calibrations.append(calibrate(args.quick))
+            processes, flags = LAYOUTS[name]
+            measured[name] = got = measure(processes, flags, root / name, args.steps)
+            print(f"{name} (load {os.getloadavg()[0]:.1f}): {got['median']:.3f} s/step "
+                  f"(fastest {got['fastest']:.3f} s), run {got['wall']:.0f} s", flush=True)  # fmt: skip
+        dev = calibrations[0] if known else best_of(calibrations)
+        if args.device_file and not known:
+            save_device(dev, args.device_file)
+        print(f"\ndevice: {dev.source}")
+        model_dir = model_directory(run_config([]), root)
+        for name in names:
+            processes, flags = LAYOUTS[name]
+            pred = predict(run_config(flags), model_dir, dev, processes)
+            got = measured[name]
+            rows.append({
+                "layout": name, "processes": processes, "predicted_s": pred.seconds,
+                "measured_s": got["median"], "fastest_s": got["fastest"],
+                "ratio": pred.seconds / got["median"],
+                "ratio_fastest": pred.seconds / got["fastest"], "run_wall_s": got["wall"],
+                "terms": dict(pred.top_terms(8)),
+            })  # fmt: skip
+    print(f"\n{'layout':<12} {'procs':>5} {'predicted':>9} {'measured':>9} {'fastest':>8} "
+          f"{'pred/meas':>9} {'pred/fast':>9}  top terms (s)")  # fmt: skip
+    for r in rows:
+        terms = ", ".join(f"{k} {v:.3f}" for k, v in list(r["terms"].items())[:5])
+        print(f"{r['layout']:<12} {r['processes']:>5} {r['predicted_s']:>9.3f} "
+              f"{r['measured_s']:>9.3f} {r['fastest_s']:>8.3f} {r['ratio']:>9.2f} "
+              f"{r['ratio_fastest']:>9.2f}  {terms}")  # fmt: skip
+    within = sum(abs(r["ratio"] - 1) <= 0.25 for r in rows)
+    fast = sum(abs(r["ratio_fastest"] - 1) <= 0.25 for r in rows)
+    print(
+        f"\n{within}/{len(rows)} layouts within 25% of the median step ({fast} of the fastest); "
+        f"{time.perf_counter() - started:.0f} s in all"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": dev.source, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,528 @@
+"""Calibration: measure the rates a :class:`~slapo.plan.hardware.DeviceSpec` states, here.
+
+:func:`calibrate_device` times, on the machine at hand (the CPU, or the current CUDA GPU):
+
+* ``matmul``: square-ish GEMMs the width of a transformer's projections, ``2 m n k`` FLOPs each;
+* ``attention``: ``scaled_dot_product_attention``, causal, forward and backward, FLOPs counted as
+  :class:`~slapo.plan.step_time.StepCounter` counts them (``4 b h s_q s_k d`` forward, halved when
+  causal, backward 2.5x the forward), so a fraction measured here means what the counter assumes;
+* ``memory``: an out-of-place add over tensors larger than the caches, counted as the counter
+  counts memory-bound ops (bytes of the inputs and the output);
+* ``collective``: ``world`` processes on this host (gloo on 127.0.0.1 for the CPU, NCCL with two
+  or more GPUs) all-gather and all-reduce a small and a large message. The bytes one rank sends
+  as a ring (all-gather ``(n-1)`` x the input, all-reduce ``2 (n-1)/n`` x it) and the ring's
+  steps (``n-1``, ``2 (n-1)``) put the times in :meth:`Link.seconds`'s convention: the slope
+  from the small to the large message is the bandwidth, what the small one takes beyond its
+  bytes is the latency (per step).
+
+Each time is the median of repeats after a warmup (CUDA events on a GPU). With a ``base`` (a
+datasheet preset) the peaks stay the datasheet's and each measurement becomes a fraction of them
+(``efficiency``); without one (the CPU has no datasheet here) the measured rates are the peaks,
+matmul, memory and collective fractions are 1.0 and attention's is its rate over the matmul's.
+``source`` records the host, date, torch version and what was measured.
+
+Example:
+    >>> from slapo.plan.calibrate import calibrate_device, write_calibration
+    >>> cpu = calibrate_device("cpu", quick=True)          # a few seconds on a laptop
+    >>> cpu.efficiency["matmul"], 0 < cpu.efficiency["attention"] <= 1
+    (1.0, True)
+    >>> gpu = write_calibration("h200-here.json", device="cuda", base=PRESETS["h200"], world=1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import math
+import os
+import pickle
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .hardware import DeviceSpec, DeviceSpecError, Link, save_device
+
+__all__ = ["calibrate_device", "write_calibration"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: Seconds the collective workers may take in all (start-up included) before they are killed.
+COLLECTIVE_DEADLINE_S = 180.0
+#: Seconds one collective may block in a worker (a dead peer fails the others, never hangs).
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one calibration runs (sizes by device and ``quick``)."""
+
+    gemms: tuple[tuple[int, int, int], ...]  # (m, n, k)
+    attention: tuple[int, int, int, int]  # (batch, heads, seq, head dim)
+    memory_elems: int  # elements of each of the add's three tensors
+    messages: tuple[int, int]  # collective message bytes: small (latency), large (bandwidth)
+    warmup: int
+    repeats: int
+
+
+def _plan(device: str, quick: bool) -> _Plan:
+    # CPU: GEMMs of 1-2k (a second or so each dtype); tensors past a typical L3 for the add.
+    # GPU: projections of an 8k-wide model, FlashAttention at 4k tokens, 512 MiB+ tensors.
+    if device == "cpu":
+        if quick:
+            return _Plan(((1024, 1024, 1024),), (1, 4, 512, 64), 2**24, (4096, 2**23), 1, 3)
+        gemms = ((2048, 2048, 2048), (2048, 1024, 2048))
+        return _Plan(gemms, (1, 8, 1024, 64), 2**25, (4096, 2**26), 2, 7)
+    if quick:
+        return _Plan(((4096, 4096, 4096),), (2, 16, 2048, 128), 2**26, (4096, 2**26), 2, 5)
+    gemms = ((8192, 8192, 8192), (8192, 4096, 8192))
+    return _Plan(gemms, (4, 32, 4096, 128), 2**28, (4096, 2**28), 3, 10)
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits (device files stay readable)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - int(math.floor(math.log10(abs(x)))))
+
+
+def _median_seconds(
+    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
+) -> float:
+    """Median wall seconds of ``fn`` after ``warmup`` calls (CUDA events on a GPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
+    flops = seconds = 0.0
+    for m, n, k in plan.gemms:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        gemm = functools.partial(torch.mm, a, b, out=out)
+        seconds += _median_seconds(gemm, device, plan.warmup, plan.repeats)
+        flops += 2 * m * n * k
+    return flops / seconds / 1e12
+
+
+def _attention_flops(batch: int, heads: int, seq: int, dim: int) -> int:
+    """Forward + backward FLOPs of causal attention, as ``step_time``'s counter counts them."""
+    forward = 4 * batch * heads * seq * seq * dim // 2
+    return forward + int(forward * 2.5)
+
+
+def _attention_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
+    b, h, s, d = plan.attention
+    q, k, v = (
+        torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3)
+    )
+    grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+    def step() -> None:
+        q.grad = k.grad = v.grad = None  # fresh gradients: no accumulation adds in the timing
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(grad)
+
+    seconds = _median_seconds(step, device, plan.warmup, plan.repeats)
+    return _attention_flops(b, h, s, d) / seconds / 1e12
+
+
+def _op_overhead_us(device: torch.device, plan: _Plan) -> float:
+    """Microseconds one tiny op costs on the host (dispatch, no work): a 16-element add."""
+    a, b, out = (torch.ones(16, device=device) for _ in range(3))
+    calls = 200
+
+    def ops() -> None:
+        for _ in range(calls):
+            torch.add(a, b, out=out)
+
+    return _median_seconds(ops, device, plan.warmup, plan.repeats) / calls * 1e6
+
+
+def _memory_gbps(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
+    a, b, out = (torch.ones(plan.memory_elems, device=device, dtype=dtype) for _ in range(3))
+    seconds = _median_seconds(lambda: torch.add(a, b, out=out), device, plan.warmup, plan.repeats)
+    return 3 * a.numel() * a.element_size() / seconds / 1e9  # two read, one written
+
+
+# --- collectives: `world` processes on this host ---------------------------------------------
+
+_OPS = ("all_gather", "all_reduce")
+
+
+def _ring(op: str, nbytes: int, world: int) -> tuple[float, int]:
+    """(bytes one rank sends, sequential steps) of a ring ``op``, as ``step_time`` counts them."""
+    if op == "all_gather":
+        return float((world - 1) * nbytes), world - 1
+    return 2.0 * (world - 1) * nbytes / world, 2 * (world - 1)
+
+
+def _timed_collective(op: str, x: torch.Tensor, outs: list[torch.Tensor]) -> float:
+    """Seconds of one ``op`` on ``x``, every rank starting together (after a barrier)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    t0 = time.perf_counter()
+    if op == "all_gather":
+        dist.all_gather(outs, x)
+    else:
+        dist.all_reduce(x)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter() - t0
+
+
+def _collective_worker(
+    rank: int, world: int, backend: str, port: int, plan: _Plan, out_dir: str
+) -> None:
+    """One rank: time each op and message size; rank 0 writes the slowest rank's medians."""
+    import torch.distributed as dist
+
+    import slapo.env
+
+    result: dict[str, Any]
+    try:
+        if backend == "gloo":
+            torch.set_num_threads(1)  # the ranks share this host's cores
+        slapo.env.setup(rank, world, backend, master_port=port, timeout=COLLECTIVE_TIMEOUT_S)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        device = device or torch.device("cpu")
+        medians = []
+        for op in _OPS:
+            for nbytes in plan.messages:
+                x = torch.zeros(nbytes // 4, device=device)
+                outs = [torch.empty_like(x) for _ in range(world)]
+                for _ in range(plan.warmup):
+                    _timed_collective(op, x, outs)
+                times = [_timed_collective(op, x, outs) for _ in range(plan.repeats)]
+                medians.append(statistics.median(times))
+        slowest = torch.tensor(medians, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
+        result = {"ok": True, "seconds": slowest.tolist()}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"ok": False, "error": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    try:
+        slapo.env.teardown()
+    except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
+        pass
+
+
+def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str, int], float]:
+    """``{(op, message bytes): seconds}`` timed by ``world`` spawned processes (never hangs)."""
+    import torch.multiprocessing as mp
+
+    from ..tune.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="slapo-calibrate-") as tmp:
+        procs = [
+            ctx.Process(target=_collective_worker, args=(r, world, backend, port, plan, tmp))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + COLLECTIVE_DEADLINE_S
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        errors = []
+        results = []
+        for rank, p in enumerate(procs):
+            if p.is_alive():
+                p.kill()
+                p.join()
+                errors.append(f"rank {rank}: still running after {COLLECTIVE_DEADLINE_S}s, killed")
+                continue
+            path = Path(tmp) / f"rank{rank}.pkl"
+            if not path.exists():
+                errors.append(f"rank {rank}: exited with code {p.exitcode} and no result")
+                continue
+            res = pickle.loads(path.read_bytes())
+            if not res["ok"]:
+                errors.append(f"rank {rank}:\n{res['error']}")
+            results.append(res)
+    if errors:
+        raise DeviceSpecError(
+            f"calibrate_device: timing collectives on {world} {backend} processes failed; "
+            "fix the cause below, or pass world=1 with a base to keep its link:\n"
+            + "\n".join(errors)
+        )
+    keys = [(op, nbytes) for op in _OPS for nbytes in plan.messages]
+    return dict(zip(keys, results[0]["seconds"], strict=True))
+
+
+def _fit_link(seconds: dict[tuple[str, int], float], world: int) -> Link:
+    """A :class:`Link` in :meth:`Link.seconds`'s convention from small/large message times:
+    per op, bandwidth = the slope between them; latency = what the small one takes beyond its
+    bytes, per ring step (never below 0). The ops' figures are averaged."""
+    small, large = sorted({nbytes for _, nbytes in seconds})
+    bandwidths, latencies = [], []
+    for op in _OPS:
+        sent_s, steps = _ring(op, small, world)
+        sent_l, _ = _ring(op, large, world)
+        t_s, t_l = seconds[(op, small)], seconds[(op, large)]
+        # a large message no slower than the small one (noise): bandwidth from the large alone
+        bandwidths.append((sent_l - sent_s) / (t_l - t_s) if t_l > t_s else sent_l / t_l)
+    bandwidth = statistics.fmean(bandwidths)
+    for op in _OPS:
+        sent_s, steps = _ring(op, small, world)
+        latencies.append(max(0.0, seconds[(op, small)] - sent_s / bandwidth) / steps)
+    return Link(_sig(bandwidth / 1e9), _sig(statistics.fmean(latencies) * 1e6))
+
+
+# --- the device spec --------------------------------------------------------------------------
+
+
+def _ram_gib() -> float:
+    """This host's total RAM (GiB): ``os.sysconf``, else psutil, else ``/proc/meminfo``."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):
+        pass
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / 2**30
+    except ImportError:
+        pass
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024 / 2**30
+    raise DeviceSpecError("calibrate_device: cannot read this host's RAM size; use a base")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _check_args(device: Any, dtype: Any, name: Any, base: Any, world: Any, quick: Any) -> None:
+    if device not in ("cpu", "cuda"):
+        raise DeviceSpecError(f"calibrate_device: device must be 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise DeviceSpecError(
+            "calibrate_device: device='cuda' but torch sees no CUDA GPU; calibrate device='cpu'"
+        )
+    if dtype not in _DTYPES:
+        raise DeviceSpecError(
+            f"calibrate_device: dtype must be one of {sorted(_DTYPES)}, got {dtype!r}"
+        )
+    if name is not None and (not isinstance(name, str) or not name):
+        raise DeviceSpecError(f"calibrate_device: name must be a non-empty string, got {name!r}")
+    if base is not None and not isinstance(base, DeviceSpec):
+        raise DeviceSpecError(
+            f"calibrate_device: base must be a DeviceSpec (e.g. PRESETS['h200']), got "
+            f"{type(base).__name__}"
+        )
+    if base is not None and dtype not in base.peak_tflops:
+        raise DeviceSpecError(
+            f"calibrate_device: base {base.name!r} has no peak_tflops[{dtype!r}] to take the "
+            f"dtype's fraction of; pick dtype from {sorted(base.peak_tflops)}"
+        )
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise DeviceSpecError(
+            f"calibrate_device: world must be an int >= 1 (processes timing the collectives; "
+            f"1 skips them), got {world!r}"
+        )
+    if not isinstance(quick, bool):
+        raise DeviceSpecError(f"calibrate_device: quick must be True or False, got {quick!r}")
+
+
+def _fraction(kind: str, measured: float, peak: float) -> float:
+    """``measured / peak`` as an efficiency; above 1 (the peak is not one here) it is clamped."""
+    value = _sig(measured / peak)
+    if value > 1.0:
+        warnings.warn(
+            f"calibrate_device: the measured {kind} rate ({measured:.4g}) exceeds the base's "
+            f"peak ({peak:.4g}); efficiency[{kind!r}] clamped to 1.0 (check the base matches "
+            "this device)",
+            stacklevel=3,
+        )
+        return 1.0
+    return value
+
+
+def calibrate_device(
+    device: str = "cpu",
+    *,
+    dtype: str = "bf16",
+    name: str | None = None,
+    base: DeviceSpec | None = None,
+    world: int = 2,
+    quick: bool = False,
+) -> DeviceSpec:
+    """Measure this machine's matmul, attention, memory and collective rates (module doc).
+
+    Args:
+        device: ``"cpu"`` or ``"cuda"`` (the current GPU).
+        dtype: the dtype of the GEMMs, attention and add (``bf16``, ``fp16``, ``fp32``). On a
+            device without ``base`` bf16 GEMMs are timed too (a device file needs its peak).
+        name: the device's name (default: the base's or the device's, ``-calibrated`` added).
+        base: a datasheet :class:`DeviceSpec` of this device: its peaks, memory size and link
+            bandwidth are kept and the measurements become ``efficiency`` fractions of them.
+        world: processes timing the collectives (gloo for the CPU, NCCL on GPUs); ``1`` skips
+            them and keeps ``base``'s link (as does CUDA with a single GPU).
+        quick: smaller sizes and fewer repeats (seconds on a CPU; for tests and smoke runs).
+
+    Raises:
+        DeviceSpecError: a bad argument (named), no GPU for ``device="cuda"``, no ``base`` where
+            the link cannot be measured, or the collective processes failed or timed out.
+
+    Example:
+        >>> spec = calibrate_device("cpu", dtype="fp32", world=2, quick=True)
+        >>> sorted(spec.peak_tflops), spec.efficiency["memory"]
+        (['bf16', 'fp32'], 1.0)
+        >>> h200 = calibrate_device("cuda", base=PRESETS["h200"], world=1)
+        >>> 0 < h200.efficiency["matmul"] <= 1
+        True
+    """
+    _check_args(device, dtype, name, base, world, quick)
+    plan = _plan(device, quick)
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if device == "cuda"
+        else torch.device("cpu")
+    )
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda" and world > 1:
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            world = 1  # one GPU: nothing to time collectives between
+        elif world > gpus:
+            raise DeviceSpecError(
+                f"calibrate_device: world={world} needs as many GPUs, this host has {gpus}"
+            )
+    if world == 1 and base is None:
+        raise DeviceSpecError(
+            "calibrate_device: no collective is timed (world=1, or a single GPU), so the link "
+            "must come from a base: pass base=PRESETS[...] or world >= 2"
+        )
+
+    matmul_dtypes = [dtype] if base is not None or dtype == "bf16" else [dtype, "bf16"]
+    matmul = {dt: _matmul_tflops(dev, _DTYPES[dt], plan) for dt in matmul_dtypes}
+    attention = _attention_tflops(dev, _DTYPES[dtype], plan)
+    memory = _memory_gbps(dev, _DTYPES[dtype], plan)
+    # a CPU dispatches each op on the cores that compute; a GPU's launches overlap its kernels
+    overhead = _sig(_op_overhead_us(dev, plan)) if device == "cpu" else None
+    link = _fit_link(_collective_seconds(world, backend, plan), world) if world > 1 else None
+
+    if base is not None:
+        peak = base.peak_tflops[dtype]
+        peaks, hbm_gib, hbm_gbps = dict(base.peak_tflops), base.hbm_gib, base.hbm_gbps
+        efficiency = {
+            "matmul": _fraction("matmul", matmul[dtype], peak),
+            "attention": _fraction("attention", attention, peak),
+            "memory": _fraction("memory", memory, base.hbm_gbps),
+            "collective": base.efficiency["collective"],
+        }
+        intra = base.intra_node
+        if link is not None:  # the datasheet bandwidth stays; the latency is measured
+            efficiency["collective"] = _fraction("collective", link.gbps, base.intra_node.gbps)
+            intra = Link(base.intra_node.gbps, link.latency_us)
+    else:
+        assert link is not None  # checked above: no base means collectives are timed
+        peaks = {dt: _sig(rate) for dt, rate in matmul.items()}
+        if device == "cuda":
+            hbm_gib = _sig(torch.cuda.get_device_properties(dev).total_memory / 2**30)
+        else:
+            hbm_gib = _sig(_ram_gib())
+        hbm_gbps, intra = _sig(memory), link
+        efficiency = {
+            "matmul": 1.0,
+            "attention": _fraction("attention", attention, matmul[dtype]),
+            "memory": 1.0,
+            "collective": 1.0,
+        }
+
+    hardware = torch.cuda.get_device_name(dev) if device == "cuda" else f"cpu {_cpu_name()}"
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    b, h, s, d = plan.attention
+    measured = [
+        "matmul "
+        + ", ".join(f"{dt} {_sig(r)} TFLOPS" for dt, r in matmul.items())
+        + f" (GEMMs m,n,k {', '.join('x'.join(map(str, g)) for g in plan.gemms)})",
+        f"attention {_sig(attention)} TFLOPS (sdpa causal fwd+bwd b={b} h={h} s={s} d={d})",
+        f"memory {_sig(memory)} GB/s (add of {plan.memory_elems} elements)",
+    ]
+    if overhead is not None:
+        measured.append(f"op overhead {overhead} us (16-element adds)")
+    if link is not None:
+        measured.append(
+            f"collectives {link.gbps} GB/s, {link.latency_us} us ({backend} x{world}, "
+            f"all_gather/all_reduce of {plan.messages[0]} and {plan.messages[1]} bytes)"
+        )
+    else:
+        measured.append("collectives not timed (one process)")
+    source = (
+        f"calibrated on {socket.gethostname()} ({hardware}, {torch.get_num_threads()} threads), "
+        f"{date}, torch {torch.__version__}, {dtype}{', quick' if quick else ''}: "
+        + "; ".join(measured)
+        + "; median of "
+        + f"{plan.repeats} after {plan.warmup} warmup"
+    )
+    if base is not None:
+        source += (
+            f". Peaks, memory size and bandwidth, link bandwidth from {base.name}: {base.source}"
+        )
+    fields = {
+        "name": name or f"{base.name if base is not None else device}-calibrated",
+        "peak_tflops": peaks,
+        "hbm_gib": hbm_gib,
+        "hbm_gbps": hbm_gbps,
+        "intra_node": intra,
+        "efficiency": efficiency,
+        "source": source,
+    }
+    if overhead is not None:
+        fields["op_overhead_us"] = overhead
+    # a base's fields this does not measure stay the base's; without one, the defaults
+    return dataclasses.replace(base, **fields) if base is not None else DeviceSpec(**fields)
+
+
+def write_calibration(path: str | os.PathLike, **kwargs: Any) -> DeviceSpec:
+    """:func:`calibrate_device` (``kwargs`` are its arguments), written to ``path`` atomically
+    as a device file :func:`~slapo.plan.hardware.load_device` reads.
+
+    Example:
+        >>> spec = write_calibration("cpu.json", device="cpu", quick=True)
+        >>> load_device("cpu.json") == spec
+        True
+    """
+    spec = calibrate_device(**kwargs)
+    save_device(spec, path)
+    return spec
