@@ -50,7 +50,8 @@ def test_parse_layout() -> None:
 def test_candidates_cover_the_gpus_and_respect_the_models_shape(small_llama: str) -> None:
     shape = model_shape(json.loads((Path(small_llama) / "config.json").read_text()))
     base = TrainConfig(model=small_llama, seq_len=64, progress=False)
-    seen = list(candidate_layouts(shape, base, 8, 4, 16))
+    seen = list(candidate_layouts(shape, base, 8, 4, 16, min_cp_chunk=16))
+    assert {cfg.cp for cfg, _ in candidate_layouts(shape, base, 8, 4, 16)} == {1}  # 64 < 2048
     assert seen
     for cfg, dp in seen:
         assert dp * cfg.tp * cfg.pp * cfg.cp == 8 and 16 % dp == 0
@@ -71,7 +72,7 @@ def plans(small_llama: str) -> list:
     """Every FSDP layout of the small model on 2 GPUs, shared by the tests below."""
     return plan_layouts(
         small_llama, _cluster(), gpus=2, seq_len=64, global_batch=4, keep_all=True,
-        ac=("none", "full"), targets=("fsdp",),
+        ac=("none", "full"), targets=("fsdp",), min_cp_chunk=16,
     )  # fmt: skip
 
 

@@ -154,15 +154,20 @@ def _attention_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> 
 
 
 def _op_overhead_us(device: torch.device, plan: _Plan) -> float:
-    """Microseconds one tiny op costs on the host (dispatch, no work): a 16-element add."""
-    a, b, out = (torch.ones(16, device=device) for _ in range(3))
-    calls = 200
+    """Microseconds one tiny op of a training step costs on the host (dispatch, autograd's
+    record and its backward node; no work): a chain of 16-element multiplies and its backward,
+    per aten op they run (one each way)."""
+    x = torch.ones(16, device=device, requires_grad=True)
+    chain = 100
 
-    def ops() -> None:
-        for _ in range(calls):
-            torch.add(a, b, out=out)
+    def step() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+        x.grad = None
 
-    return _median_seconds(ops, device, plan.warmup, plan.repeats) / calls * 1e6
+    return _median_seconds(step, device, plan.warmup, plan.repeats) / (2 * chain) * 1e6
 
 
 def _memory_gbps(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
@@ -480,7 +485,7 @@ def calibrate_device(
         f"memory {_sig(memory)} GB/s (add of {plan.memory_elems} elements)",
     ]
     if overhead is not None:
-        measured.append(f"op overhead {overhead} us (16-element adds)")
+        measured.append(f"op overhead {overhead} us (16-element multiplies, with backward)")
     if link is not None:
         measured.append(
             f"collectives {link.gbps} GB/s, {link.latency_us} us ({backend} x{world}, "

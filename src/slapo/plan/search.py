@@ -58,6 +58,10 @@ AC_CHOICES: dict[str, dict[str, Any]] = {
 }
 #: The most pipeline stages and context-parallel ranks tried.
 MAX_PP, MAX_CP = 16, 8
+#: The fewest tokens of a sequence a context-parallel rank holds in a candidate: shorter chunks
+#: spend more on gathering keys and values than they save (context parallelism is for long
+#: sequences; an 8k sequence is tried on 2 and 4 ranks).
+MIN_CP_CHUNK = 2048
 #: Bytes per parameter of float32 parameters, gradients and AdamW's two moments.
 _STATE_BYTES = 16
 
@@ -275,12 +279,13 @@ def candidate_layouts(
     gpus_per_node: int,
     global_batch: int,
     targets: tuple[str, ...] = ("fsdp", "ddp"),
+    min_cp_chunk: int = MIN_CP_CHUNK,
 ) -> Iterator[tuple[Any, int]]:
     """Every ``(TrainConfig, dp)`` of ``base`` laid out over ``gpus`` (checkpointing left to
     :func:`plan_layouts`): tp a power of two within a node dividing the heads; pp dividing the
     layers (up to :data:`MAX_PP`; microbatches of one sequence, at least pp of them);
-    cp a power of two (up to :data:`MAX_CP`) dividing the sequence in 2 x cp chunks, without pp
-    (``slapo train`` refuses both); ep for a mixture of experts, without tp; dp the rest, which
+    cp a power of two (up to :data:`MAX_CP`, chunks of :data:`MIN_CP_CHUNK` tokens or more)
+    dividing the sequence in 2 x cp chunks, without pp (``slapo train`` refuses both); ep for a mixture of experts, without tp; dp the rest, which
     must divide ``global_batch``.
 
     Example:
@@ -293,7 +298,10 @@ def candidate_layouts(
     experts = config.get("num_experts") or config.get("num_local_experts") or 0
     tps = [t for t in _powers_of_two(gpus_per_node) if heads % t == 0 and kv_heads % t == 0]
     pps = [p for p in _divisors(layers, MAX_PP) if gpus % p == 0]
-    cps = [c for c in _powers_of_two(MAX_CP) if base.seq_len % (2 * c) == 0]
+    cps = [
+        c for c in _powers_of_two(MAX_CP)
+        if base.seq_len % (2 * c) == 0 and (c == 1 or base.seq_len // c >= min_cp_chunk)
+    ]  # fmt: skip
     for tp in tps:
         for pp in pps:
             for cp in cps if pp == 1 else [1]:
@@ -388,10 +396,12 @@ def plan_layouts(
     precision: str = "bf16",
     float8: bool = False,
     keep_all: bool = False,
+    min_cp_chunk: int = MIN_CP_CHUNK,
 ) -> list[PlannedLayout]:
     """Predict every candidate layout (:func:`candidate_layouts`) of the model in ``model_dir``
     on ``gpus`` GPUs of ``cluster``, each with the fastest checkpointing of ``ac`` that fits;
-    return those that fit, fastest first (with ``keep_all``, the rest after them).
+    return those that fit, fastest first (with ``keep_all``, the rest after them). Nothing
+    fitting, RoundPipe on one node is tried. ``min_cp_chunk``: see :func:`candidate_layouts`.
 
     Example:
         >>> ranked = plan_layouts("llama3-70b", cluster, gpus=256, seq_len=8192, global_batch=256)
@@ -418,24 +428,27 @@ def plan_layouts(
     cache: dict[Any, Any] = {}
     with shallow_configs(config) as shallow:
         for cfg, dp in candidate_layouts(
-            shape, base, gpus, cluster.gpus_per_node, global_batch, targets
+            shape, base, gpus, cluster.gpus_per_node, global_batch, targets, min_cp_chunk
         ):
             if _state_lower_bound(shape, cfg, dp) > budget:
                 continue
             # the least memory first (the last of ``order``): where it does not fit, nothing
-            # does; then the fastest that fits
+            # does; then the fastest that fits, by bisection (each choice of ``order`` keeps
+            # less than the one before it)
             evaluate = functools.partial(_predict, cfg, dp, cluster, shallow, cache, budget, float8)
-            safe = evaluate(order[-1])
-            if not safe.fits:
-                rest.append(safe)
+            best = evaluate(order[-1])
+            if not best.fits:
+                rest.append(best)
                 continue
-            best = safe
-            for name in order[:-1]:
-                planned = evaluate(name)
+            low, high = 0, len(order) - 1  # order[high] fits; find the first that does
+            while low < high:
+                middle = (low + high) // 2
+                planned = evaluate(order[middle])
                 if planned.fits:
-                    best = planned
-                    break
-                rest.append(planned)
+                    best, high = planned, middle
+                else:
+                    rest.append(planned)
+                    low = middle + 1
             fitting.append(best)
         if not fitting and "roundpipe" not in targets:
             # nothing fits the devices: RoundPipe keeps the model state in host memory and
