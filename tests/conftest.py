@@ -37,3 +37,12 @@ def pytest_report_header(config: pytest.Config) -> str:
 
     omp = os.environ.get("OMP_NUM_THREADS", "unset")
     return f"torch CPU threads: {torch.get_num_threads()} (OMP_NUM_THREADS={omp})"
+
+
+@pytest.fixture(scope="session")
+def launches(tmp_path_factory: pytest.TempPathFactory):
+    """The suite's shared torchrun launches of ``slapo train``: one per world size, running every
+    run the collected test modules planned for it (tests/shared_launches.py)."""
+    from shared_launches import Launches
+
+    return Launches(tmp_path_factory.mktemp("launches"))

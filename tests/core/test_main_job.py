@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dist_utils import free_port
+from shared_launches import plan_run
 from slapo.data import ByteBatches, default_corpus
 from slapo.train import TrainConfig, default_schedule, train
 
@@ -169,39 +170,30 @@ def test_resume_continues_the_uninterrupted_loss_curve(tmp_path):
     assert rest["losses"] == full["losses"]
 
 
+# The torchrun runs of the two 2-process tests below that read metrics.json, planned into the
+# session's 2-process launch (the ``launches`` fixture, tests/conftest.py), in this order.
+# eager: 3 runs x 2 ranks
+FSDP = ["--target", "fsdp", "--model", "gpt2", "--batch-size", "2", "--seq-len", "16",
+        "--no-progress", "--compile-model", "false"]  # fmt: skip
+plan_run(2, "fsdp-full", lambda root: [*FSDP, "--steps", "4"])
+plan_run(2, "fsdp-first", lambda root: [*FSDP, "--steps", "2", "--save", str(root / "fsdp-ckpt")])
+plan_run(2, "fsdp-rest", lambda root: [*FSDP, "--steps", "4", "--resume", str(root / "fsdp-ckpt")])
+DDP_PP = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
+DDP_PP_TAIL = ["--baseline-steps", "0", "--no-sample"]
+plan_run(2, "ddp", lambda root: ["--target", "ddp", *DDP_PP, *DDP_PP_TAIL])
+plan_run(2, "pipeline", lambda root: ["--target", "pipeline", *DDP_PP, "--num-stages", "2",
+                                      *DDP_PP_TAIL])  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_fsdp_resume_continues_the_loss_curve(tmp_path):
+def test_torchrun_fsdp_resume_continues_the_loss_curve(launches):
     """FSDP2 parameters and Adam state are DTensors: gathered whole into one Hugging Face
     directory; resume re-shards them."""
-    args = [
-        "--target",
-        "fsdp",
-        "--model",
-        "gpt2",
-        "--batch-size",
-        "2",
-        "--seq-len",
-        "16",
-        "--no-progress",
-        "--compile-model",
-        "false",
-    ]  # fmt: skip  (eager: 3 runs x 2 ranks)
-    losses = {}
-    for name, extra in {
-        "full": ["--steps", "4"],
-        "first": ["--steps", "2", "--save", str(tmp_path / "ckpt")],
-        "rest": ["--steps", "4", "--resume", str(tmp_path / "ckpt")],
-    }.items():
-        out = tmp_path / name
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "slapo", "train", *args, *extra,
-               "--output-dir", str(out)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        losses[name] = json.loads((out / "metrics.json").read_text())["losses"]
-    assert [p.name for p in tmp_path.glob("ckpt*")] == ["ckpt"]  # one directory, no ckpt.rank<r>
-    assert (tmp_path / "ckpt" / "config.json").is_file()
+    losses = {name: launches.result(2, f"fsdp-{name}")[0] for name in ("full", "first", "rest")}
+    root = launches.dir(2)
+    assert [p.name for p in root.glob("fsdp-ckpt*")] == ["fsdp-ckpt"]  # no fsdp-ckpt.rank<r>
+    assert (root / "fsdp-ckpt" / "config.json").is_file()
     # Exact: both runs launch the same way and resuming restores every bit of the state
     assert losses["rest"] == losses["full"]
 
@@ -258,23 +250,14 @@ def test_torchrun_tensor_parallel_matches_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_data_and_pipeline_parallel_follow_the_one_process_loss(tmp_path):
+def test_torchrun_data_and_pipeline_parallel_follow_the_one_process_loss(launches):
     """Two processes: ddp is 2 replicas on slices of a global batch of 2 x 4 (one process's batch
     of 8); the pipeline is 2 stages of one replica (one process's batch of 4). fsdp: the resume
     test below and tests/train/test_gathered_checkpoints.py."""
-    args = ["--steps", "2", "--batch-size", "4", "--seq-len", "16", "--no-progress"]
     one = {b: train(TrainConfig(**{**SMALL, "steps": 2, "batch_size": b}))["losses"]
            for b in (4, 8)}  # fmt: skip
     for target, batch in (("ddp", 8), ("pipeline", 4)):
-        extra = ["--num-stages", "2"] if target == "pipeline" else []
-        out_dir = tmp_path / target
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "slapo", "train", "--target", target,
-               *args, *extra, "--baseline-steps", "0", "--no-sample",
-               "--output-dir", str(out_dir)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, f"{target}: {done.stderr[-3000:]}"
-        losses = json.loads((out_dir / "metrics.json").read_text())["losses"]
+        losses, _ = launches.result(2, target)
         torch.testing.assert_close(losses, one[batch], rtol=0, atol=1e-4, msg=target)
 
 

@@ -1,7 +1,8 @@
 """Expert parallelism inside pipeline stages (spawned gloo workers): one process is the oracle.
 
 4 ranks on an ("ep", "pp") mesh: two pipelines of two stages; the ranks holding the same stage
-form an expert-parallel group. Each pipeline trains on its half of the global batch.
+form an expert-parallel group. Each pipeline trains on its half of the global batch. The checks
+run in the suite's shared 4-rank job (``conftest.py``, ``target_jobs.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 import slapo
-from dist_utils import run_checks
 from slapo.sharding.expert_grads import reduce_expert_grads
 from slapo.sharding.expert_parallel import expert_parallel, is_expert_parameter
 from slapo.train.presets import causal_lm_loss
@@ -137,6 +137,7 @@ def want_half(full: torch.Tensor, model: torch.nn.Module, name: str) -> torch.Te
     return full / 2
 
 
-def job(rank: int, world: int) -> dict[str, str | None]:
+def pp_ep_checks() -> dict:
+    """Checks of the suite's 4-rank job (target_jobs.job4)."""
     checks = {f"ep_x_pp_{f}": lambda f=f: check_ep_x_pp(f) for f in ("qwen3_moe", "mixtral")}
-    return run_checks({**checks, "dp_ep_pp_clip": check_dp_ep_pp_and_clip})
+    return {**checks, "dp_ep_pp_clip": check_dp_ep_pp_and_clip}

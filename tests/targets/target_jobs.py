@@ -9,6 +9,7 @@ import jobs_dp
 import jobs_lazy
 import jobs_loop
 import jobs_pp
+import jobs_pp_ep
 import jobs_precision
 
 from dist_utils import run_checks
@@ -30,6 +31,7 @@ def job4(rank: int, world: int, pg_timeout: float) -> dict[str, str | None]:
     return run_checks(
         {
             **jobs_dp.dp_tp_checks(rank, world),
+            **jobs_pp_ep.pp_ep_checks(),
             **jobs_pp.pp4_checks(rank, world, pg_timeout),
         }
     )

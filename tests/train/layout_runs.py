@@ -1,13 +1,15 @@
-"""Shared helpers of the `slapo train` layout tests: torchrun on loopback, the run's losses, and
-the bar a layout's loss curve must meet against one process."""
+"""Shared helpers of the `slapo train` layout tests: torchrun on loopback (a launch of its own, or
+a run planned into the session's shared launches), and the bar a layout's loss curve must meet
+against one process."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
+import shared_launches
 from dist_utils import free_port
 
 STEPS, SEQ = 20, 32
@@ -37,12 +39,9 @@ def torchrun(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def losses_of(proc: subprocess.Popen, out: Path) -> tuple[list[float], dict]:
-    """The run's losses and metrics.json (with its ``stdout``); it must have succeeded."""
-    stdout, stderr = proc.communicate(timeout=540)
-    assert proc.returncode == 0, stderr[-4000:]
-    metrics = json.loads((out / "metrics.json").read_text())
-    return metrics["losses"], {"stdout": stdout, **metrics}
+def plan_run(nproc: int, name: str, args: Callable[[Path], list[str]]) -> str:
+    """:func:`shared_launches.plan_run` with :data:`RUN` before ``args(root)``."""
+    return shared_launches.plan_run(nproc, name, lambda root: [*RUN, *args(root)])
 
 
 def same_curve(got: list[float], want: list[float], steps: int = STEPS) -> None:

@@ -12,6 +12,7 @@ import types
 import pytest
 from your_inputs import documents, write_jsonl
 
+from shared_launches import plan_run
 from slapo.train import TrainConfig, train
 from slapo.train import loop as loop_module
 from slapo.train.lr_schedule import LRFactor
@@ -154,33 +155,26 @@ def test_without_tensorboard_a_run_says_so_in_one_line(tmp_path, capsys, monkeyp
     assert (tmp_path / "run" / "metrics.json").is_file()
 
 
+# The two torchrun runs of the test below, planned into the session's 2-process launch (the
+# ``launches`` fixture, tests/conftest.py): the save, then the resume from it.
+TP2 = ["--tp", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
+       "--baseline-steps", "0", "--compile-model", "false", "--no-progress", "--no-sample",
+       "--lr-schedule", "linear", "--warmup-steps", "1", "--no-tensorboard"]  # fmt: skip
+plan_run(2, "tp2-save", lambda root: [*TP2, "--save", str(root / "tp2-ckpt"), "--save-every", "2"])
+plan_run(2, "tp2-resume", lambda root: [*TP2, "--resume", str(root / "tp2-ckpt/step-000002")])
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tensor_parallel_save_is_whole_and_resumes_exactly(tmp_path):
+def test_tensor_parallel_save_is_whole_and_resumes_exactly(launches):
     """Under torchrun --tp 2 the saved weights are gathered whole (from_pretrained loads them)
     and a resume from a --save-every step continues the curve exactly."""
-    import subprocess
-
     import transformers as tf
 
-    from dist_utils import free_port
-
-    args = ["--tp", "2", "--steps", "3", "--batch-size", "2", "--seq-len", "32",
-            "--baseline-steps", "0", "--compile-model", "false", "--no-progress", "--no-sample",
-            "--lr-schedule", "linear", "--warmup-steps", "1", "--no-tensorboard"]  # fmt: skip
-    metrics = {}
-    for name, extra in {
-        "full": ["--save", str(tmp_path / "ckpt"), "--save-every", "2"],
-        "rest": ["--resume", str(tmp_path / "ckpt" / "step-000002")],
-    }.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), "-m", "slapo", "train", *args, *extra,
-               "--output-dir", str(tmp_path / name)]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-        assert done.returncode == 0, f"{name}: {done.stderr[-3000:]}"
-        metrics[name] = json.loads((tmp_path / name / "metrics.json").read_text())
-    assert metrics["rest"]["losses"] == metrics["full"]["losses"]
-    loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    full, _ = launches.result(2, "tp2-save")
+    rest, _ = launches.result(2, "tp2-resume")
+    assert rest == full
+    loaded = tf.AutoModelForCausalLM.from_pretrained(launches.dir(2) / "tp2-ckpt")
     assert loaded.model.layers[0].mlp.down_proj.weight.shape == (128, 352)  # not a half
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from layout_runs import ONE_PROCESS, SEQ, losses_of, same_curve, torchrun
+from layout_runs import ONE_PROCESS, SEQ, plan_run, same_curve, torchrun
 
 from dist_utils import free_port
 from slapo.train import TrainConfig, train
@@ -25,17 +25,28 @@ def one_process() -> dict[int, list[float]]:
     return {b: train(TrainConfig(batch_size=b, **ONE_PROCESS))["losses"] for b in (8, 16)}
 
 
-@pytest.mark.parametrize(
-    "nproc, flags, batch",
-    [
-        (4, ["--tp", "2", "--pp", "2"], 8),  # pp 2 x tp 2
-    ],
-    # dp2-pp2-tp2 and dp2-pp2: the tests below; dp2 x tp2: tests/targets/test_dp.py (engine) and
-    # benchmarks/parallel_layouts.py (this curve, 30 steps)
-)
-def test_layout_follows_the_one_process_curve(tmp_path, one_process, nproc, flags, batch):
-    out = tmp_path / "run"
-    losses, metrics = losses_of(torchrun(nproc, ["--batch-size", "8", *flags], out), out)
+# The torchrun runs of this file, each planned into the session's launch of its world size
+# (the ``launches`` fixture, tests/conftest.py); each test checks its own. Runs sharing a
+# checkpoint run in the order planned: the save before the resume.
+LAYOUTS = [
+    (4, ["--tp", "2", "--pp", "2"], 8),  # pp 2 x tp 2
+]
+# dp2-pp2-tp2 and dp2-pp2: the tests below; dp2 x tp2: tests/targets/test_dp.py (engine) and
+# benchmarks/parallel_layouts.py (this curve, 30 steps)
+for _nproc, _flags, _ in LAYOUTS:
+    plan_run(_nproc, " ".join(_flags), lambda root, f=_flags: ["--batch-size", "8", *f])
+THREE_D = ["--batch-size", "8", "--tp", "2", "--pp", "2", "--target", "fsdp"]
+plan_run(8, "3d", lambda root: [*THREE_D, "--save", str(root / "3d-whole"), "--save-every", "10",
+                                "--keep", "1"])  # fmt: skip
+plan_run(8, "3d-resumed", lambda root: [*THREE_D, "--resume", str(root / "3d-whole/step-000010"),
+                                        "--save", str(root / "3d-resumed-saved")])  # fmt: skip
+plan_run(8, "3d-bf16", lambda root: [*THREE_D, "--steps", "10", "--precision", "bf16",
+                                     "--save", str(root / "3d-bf16-saved")])  # fmt: skip
+
+
+@pytest.mark.parametrize("nproc, flags, batch", LAYOUTS)
+def test_layout_follows_the_one_process_curve(launches, one_process, nproc, flags, batch):
+    losses, metrics = launches.result(nproc, " ".join(flags))
     same_curve(losses, one_process[batch])
     ranks = metrics["ranks"]
     assert [r["rank"] for r in ranks] == list(range(nproc))
@@ -54,25 +65,20 @@ def _tensors(directory: Path) -> dict[str, object]:
     return out
 
 
-def test_3d_run_follows_one_process_and_resumes_exactly(tmp_path, one_process):
+def test_3d_run_follows_one_process_and_resumes_exactly(launches, one_process):
     """dp 2 x pp 2 x tp 2 on 8 processes, the replicas FSDP2-sharded: the one-process curve of
-    the global batch; a run resumed from its step-10 checkpoint continues it bit for bit, and
-    both final checkpoints (weights and AdamW state, written by 8 ranks) load in one process,
-    every tensor equal."""
+    the global batch; a run resumed from its step-10 checkpoint (a run of its own, later in the
+    same launch) continues it bit for bit, and both final checkpoints (weights and AdamW state,
+    written by 8 ranks) load in one process, every tensor equal."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    layout = ["--batch-size", "8", "--tp", "2", "--pp", "2", "--target", "fsdp"]
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    run = torchrun(8, [*layout, "--save", str(whole), "--save-every", "10", "--keep", "1"],
-                    tmp_path / "run")  # fmt: skip
-    losses, metrics = losses_of(run, tmp_path / "run")
+    whole, resumed = launches.dir(8) / "3d-whole", launches.dir(8) / "3d-resumed-saved"
+    losses, metrics = launches.result(8, "3d")
     same_curve(losses, one_process[16])
     assert metrics["layout"] == "dp 2 x pp 2 x tp 2 (8 processes)"
     assert [r["rank"] for r in metrics["ranks"]] == list(range(8))
-    start = whole / "step-000010"
-    run = torchrun(8, [*layout, "--resume", str(start), "--save", str(resumed)], tmp_path / "r")
-    again, metrics = losses_of(run, tmp_path / "r")
+    again, metrics = launches.result(8, "3d-resumed")
     assert metrics["resumed_at"] == 10 and again == losses  # exact: same ranks, same sums
     saved, redone = _tensors(whole), _tensors(resumed)
     assert saved.keys() == redone.keys() and any("optimizer" in k for k in saved)
@@ -110,7 +116,7 @@ def test_layouts_that_do_not_fit_the_processes_are_named():
         train(TrainConfig(pp=2, target="roundpipe", **base))
 
 
-def test_3d_bf16_follows_the_one_process_bf16_curve(tmp_path):
+def test_3d_bf16_follows_the_one_process_bf16_curve(launches):
     """``--precision bf16`` on dp 2 x pp 2 x tp 2 (FSDP2 replicas; the stages autocast, the
     tensor-parallel collectives carry bf16 activations): 10 steps within 0.05 of one process in
     bf16 with the global batch (bf16 rounds sums that the layout orders otherwise; measured:
@@ -118,15 +124,11 @@ def test_3d_bf16_follows_the_one_process_bf16_curve(tmp_path):
     import torch
     from safetensors.torch import load_file
 
-    steps = ["--steps", "10"]
     cfg = {"steps": 10, "seq_len": SEQ, "progress": False, "sample": False, "baseline_steps": 0,
            "compile_model": False, "batch_size": 16, "precision": "bf16"}  # fmt: skip
     want = train(TrainConfig(**cfg))["losses"]
-    layout = ["--batch-size", "8", "--tp", "2", "--pp", "2", "--target", "fsdp"]
-    saved = tmp_path / "saved"
-    run = torchrun(8, [*layout, *steps, "--precision", "bf16", "--save", str(saved)],
-                    tmp_path / "run")  # fmt: skip
-    got, metrics = losses_of(run, tmp_path / "run")
+    saved = launches.dir(8) / "3d-bf16-saved"
+    got, metrics = launches.result(8, "3d-bf16")
     assert metrics["precision"] == "bf16" and "bf16 mixed precision" in metrics["stdout"]
     assert len(got) == len(want) == 10
     assert max(abs(a - b) for a, b in zip(got, want)) < 0.05, (got, want)
