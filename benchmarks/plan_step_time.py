@@ -25,35 +25,28 @@ fails; it asserts nothing about timings. About two minutes on 2 cores.
     .venv/bin/python benchmarks/plan_step_time.py [--steps 24] [--device-file cpu.json]
         [--layouts eager,ddp,fsdp,pipeline,dp2-pp2-tp2] [--json out.json]
 
-Measured here (2 shared vCPUs, AMD EPYC, torch 2.13; other work kept the load average at 2.5-8),
-two runs of this benchmark: A with the best calibrated rates fp32 GEMMs 0.219 TFLOPS, attention
-0.123 TFLOPS, memory 72 GB/s (the cores free during one calibration at least), B with every
-calibration disturbed (best 0.098 TFLOPS, 0.030 TFLOPS, 27 GB/s):
+Measured here (2 vCPUs, AMD EPYC, torch 2.13, the machine otherwise idle; 28 November 2026):
 
-    layout       procs  A: predicted measured ratio   B: predicted measured ratio
-    eager            1        0.030    0.040  0.76          0.078    0.128  0.61
-    ddp              2        0.072    0.105  0.68          0.180    0.159  1.13
-    fsdp             2        0.069    0.257  0.27          0.175    0.135  1.30
-    pipeline         2        0.053    0.092  0.58          0.134    0.138  0.97
-    dp2-pp2-tp2      8        0.125    0.428  0.29          0.311    0.420  0.74
+    layout       procs predicted  measured  fastest pred/meas
+    eager            1     0.034     0.041    0.039      0.83
+    ddp              2     0.082     0.110    0.101      0.75
+    fsdp             2     0.084     0.142    0.126      0.59
+    pipeline         2     0.062     0.101    0.093      0.62
+    dp2-pp2-tp2      8     0.194     0.399    0.365      0.49
 
-Over six runs the measured medians spread: eager 0.037-0.128 s (fastest steps 0.036-0.045 s),
-ddp 0.105-0.229 s, fsdp 0.135-0.279 s, pipeline 0.092-0.153 s, dp2-pp2-tp2 0.38-0.47 s. What
-the model leaves out (no per-layout factor corrects it):
+eager and ddp are within 25%; the others are predicted 40-50% short. What the model leaves out
+(no per-layout factor corrects it):
 
-* the other processes on these cores: the prediction assumes the cores free; the measured steps
-  and the calibrations both run beside whatever else runs, and a two-thread op waits for its
-  slower thread (the calibrated fp32 GEMM rate ranged 0.045-0.22 TFLOPS, attention
-  0.024-0.123), so the ratio moves 2-4x from run to run;
-* the shapes: the calibration times attention at 1024 tokens and head dim 64, the main job runs
-  128 tokens and head dim 32 (one thread: 38 against 60 GFLOPS); and per-op dispatch (about
-  1,750 aten ops a step: an uncompiled step on one thread took 0.100 s against 0.089 s of
-  counted work);
+* the engines' own work on the host: FSDP2's per-unit hooks, copies into and out of its
+  all-gather and reduce-scatter buffers and casts, and the pipelining runtime's per-action Python
+  and gloo point-to-point sends, run outside the fake step the counts come from; on this tiny
+  model they are a large share of a step (fsdp measured 30 ms over ddp, the model predicts 2 ms);
 * eight processes on two cores: each rank computes at an eighth of the host (the share model),
-  but every tensor-parallel all-reduce and pipeline send waits for a peer that is not running,
-  about a scheduler slice each; the counts have no number of collectives to charge it to.
-  (gloo alone on two idle processes: all-gather / reduce-scatter / all-reduce of 100k floats
-  0.4 / 0.6 / 0.4 ms.)
+  and the collectives' link is calibrated between eight processes, but a tensor-parallel
+  all-reduce inside the step still waits for peers the scheduler has not run;
+* the other processes on these cores when the machine is shared: the calibrations take the best
+  rate of several (``best_of``); on a loaded machine (load 5-10) the ratios moved 2-4x between
+  runs.
 """
 
 from __future__ import annotations
@@ -142,11 +135,30 @@ def calibrate(quick: bool) -> DeviceSpec:
     return r
 
 
+#: The gloo link between ``processes`` ranks on this host, calibrated at that many processes
+#: (more processes than cores wait on each other's scheduling in every collective).
+LINKS: dict[int, Link] = {}
+
+
+def link_at(processes: int) -> Link:
+    """The collectives' link calibrated with ``processes`` gloo processes (cached)."""
+    if processes not in LINKS:
+        LINKS[processes] = calibrate_device(
+            "cpu", dtype="fp32", world=processes, quick=True
+        ).intra_node
+        print(f"gloo x{processes}: {LINKS[processes].gbps} GB/s, "
+              f"{LINKS[processes].latency_us} us", flush=True)  # fmt: skip
+    return LINKS[processes]
+
+
 def cluster_for(dev: DeviceSpec, processes: int) -> ClusterSpec:
     """This host running ``processes`` ranks on the cores ``dev`` was calibrated on: torchrun
-    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all."""
+    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all;
+    collectives at the link measured between that many processes."""
     cores = torch.get_num_threads()
     threads = cores if processes == 1 else int(os.environ.get("OMP_NUM_THREADS", "1"))
+    if processes > 2:
+        dev = dataclasses.replace(dev, intra_node=link_at(processes))
     return ClusterSpec(dev, gpus_per_node=processes, shared_cores=cores, threads_per_rank=threads)
 
 

@@ -515,6 +515,10 @@ def calibrate_device(
     }
     if overhead is not None:
         fields["op_overhead_us"] = overhead
+    if device == "cpu":
+        # a CPU's collectives run on threads that take the very cores computing: what overlaps
+        # compute slows it by as much
+        fields["overlap_slowdown"] = 1.0
     # a base's fields this does not measure stay the base's; without one, the defaults
     return dataclasses.replace(base, **fields) if base is not None else DeviceSpec(**fields)
 
