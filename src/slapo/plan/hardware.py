@@ -46,6 +46,7 @@ __all__ = [
     "Link",
     "load_device",
     "save_device",
+    "write_text_atomic",
 ]
 
 #: The op kinds a step's time is split into.
@@ -368,24 +369,37 @@ def device_from_dict(data: Any, where: str = "device") -> DeviceSpec:
     return DeviceSpec(**{**data, **links})
 
 
-def save_device(device: DeviceSpec, path: str | os.PathLike) -> Path:
-    """Write ``device`` as JSON to ``path`` atomically (a temporary file renamed over it).
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically: a temporary file beside it, flushed to disk, then
+    renamed over it (a reader sees the old file or the new one, never a part).
 
     Example:
-        >>> save_device(PRESETS["h200"], "h200.json")
-        PosixPath('h200.json')
+        >>> write_text_atomic("notes.json", "{}\n")
+        PosixPath('notes.json')
     """
     path = Path(path)
-    text = json.dumps(dataclasses.asdict(device), indent=2, sort_keys=True) + "\n"
     fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def save_device(device: DeviceSpec, path: str | os.PathLike) -> Path:
+    """Write ``device`` as JSON to ``path`` atomically (:func:`write_text_atomic`).
+
+    Example:
+        >>> save_device(PRESETS["h200"], "h200.json")
+        PosixPath('h200.json')
+    """
+    text = json.dumps(dataclasses.asdict(device), indent=2, sort_keys=True) + "\n"
+    return write_text_atomic(path, text)
 
 
 def load_device(path: str | os.PathLike) -> DeviceSpec:

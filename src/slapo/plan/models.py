@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from .hardware import write_text_atomic
 from .step_time import PlanError
 
 __all__ = ["MODEL_SIZES", "model_config", "write_model_config"]
@@ -136,13 +136,5 @@ def write_model_config(model_type: str, size: str, directory: str | os.PathLike)
     config = model_config(model_type, size)
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path, prefix=".config.json.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path / "config.json")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
