@@ -8,7 +8,7 @@ estimated per-rank ``required`` bytes fit the budget. Then cp gloo processes on 
 one real step at that length (``slapo.sharding.context_parallel``: attention over the cp group,
 each rank's part of the sequence from ``ContextParallel.model_batch``; the cp ranks' gradients
 summed by ``all_reduce_grads``) and measure each rank's peak as ``slapo train`` measures a CPU run
-(:class:`slapo.train.memory.PeakMemory`: parameters, gradients, optimizer state and the most
+(:class:`slapo.train.run_memory.PeakMemory`: parameters, gradients, optimizer state and the most
 bytes saved for backward alive at once: the estimate's ``peak``), the most bytes alive at once in
 a steady-state step, temporaries included (:class:`LivePeak`: what the budget must hold, the
 estimate's ``required``), and a third step's tokens/s (one thread per process). cp 1 is the plain
@@ -159,7 +159,7 @@ def attention_share(est: Any) -> float:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, seq: int, out: Any):
     import slapo.env
     from slapo.sharding.context_parallel import all_reduce_grads, context_parallel
-    from slapo.train.memory import PeakMemory
+    from slapo.train.run_memory import PeakMemory
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

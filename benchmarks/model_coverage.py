@@ -5,8 +5,8 @@
     python benchmarks/model_coverage.py --readme-totals docs/model_coverage.json
 
 Every ``model_type`` of transformers' causal-LM mapping (or those ``--types`` names) becomes a
-tiny random model (:func:`slapo.model_zoo.tiny_model`: 2 layers, hidden 64, dropout off) and
-goes through four checks of :mod:`slapo.model_zoo`, each comparing the loss and every gradient
+tiny random model (:func:`slapo.testing.zoo_models.tiny_model`: 2 layers, hidden 64, dropout off) and
+goes through four checks of :mod:`slapo.testing.zoo_checks`, each comparing the loss and every gradient
 of one training step with the unscheduled model's:
 
 * eager: the model trains, and two runs agree (else nothing can be compared with it);
@@ -40,14 +40,14 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from slapo import model_zoo
-from slapo.model_zoo import CheckResult
+from slapo import testing as zoo
+from slapo.testing import CheckResult
 
 #: The single-process checks, in the order they run and appear in the table.
 SINGLE_CHECKS: dict[str, Callable[[str], CheckResult]] = {
-    "eager": model_zoo.check_eager,
-    "schedule": model_zoo.check_schedule,
-    "trace": model_zoo.check_trace,
+    "eager": zoo.check_eager,
+    "schedule": zoo.check_schedule,
+    "trace": zoo.check_trace,
 }
 COLUMNS = ("eager", "schedule", "trace", "tp")
 TITLES = {"eager": "eager", "schedule": "schedule", "trace": "trace", "tp": "TP=2"}
@@ -121,7 +121,7 @@ def tp_worker(rank: int, types: list[str], out_dir: str, port: int, timeout: flo
     for index, model_type in enumerate(types, start=1):
         start = time.perf_counter()
         try:
-            result = model_zoo.check_tp(model_type, dist.group.WORLD)
+            result = zoo.check_tp(model_type, dist.group.WORLD)
         except Exception as exc:  # noqa: BLE001  (check_tp catches its own; belt and braces)
             result = CheckResult("error", f"{type(exc).__name__}: {exc}"[:200])
         seconds = round(time.perf_counter() - start, 2)
@@ -269,7 +269,7 @@ def run_tp(types: list[str], timeout: float, results: dict[str, dict[str, Any]])
             seen = "".join(f"; a rank said {r.status}: {r.detail}" for r in ranks)
             entry["tp"] = CheckResult("error", doc["failure"] + seen).as_dict()
         else:
-            entry["tp"] = model_zoo.worst(ranks).as_dict()
+            entry["tp"] = zoo.worst(ranks).as_dict()
             entry["seconds"]["tp"] = max(line["seconds"] for line in doc["lines"])
         _progress(doc["type"], entry, ("tp",), results)
 
@@ -357,7 +357,7 @@ def markdown(doc: dict[str, Any]) -> str:
         "",
         f"Written by `benchmarks/model_coverage.py` on {meta['date']}: transformers "
         f"{meta['transformers']}, torch {meta['torch']}, {meta['threads']} thread(s). Each "
-        "causal-LM architecture as a tiny random model (`slapo.model_zoo.tiny_model`: 2 layers, "
+        "causal-LM architecture as a tiny random model (`slapo.testing.zoo_models.tiny_model`: 2 layers, "
         "hidden 64, vocabulary 128, dropout off); each check compares the loss and every "
         "gradient of one training step with the unscheduled model's (rtol 1e-4, atol 1e-5, and "
         "1e-4 of the tensor's largest magnitude for float32 sums in another order). "
@@ -414,14 +414,14 @@ def main() -> None:
     if args.readme_totals:
         print("\n".join(totals_lines(json.loads(Path(args.readme_totals).read_text()))))
         return
-    known = model_zoo.causal_lm_types()
+    known = zoo.causal_lm_types()
     types = known if not args.types else [t.strip() for t in args.types.split(",") if t.strip()]
     unknown = sorted(set(types) - set(known))
     if unknown:
         parser.error(f"--types: not causal-LM model types: {', '.join(unknown)}")
     json_path = args.json or str(Path(args.out).with_suffix(".json"))
     results: dict[str, dict[str, Any]] = {
-        t: {"hf_tp_plan": model_zoo.has_hf_tp_plan(t), "seconds": {}} for t in types
+        t: {"hf_tp_plan": zoo.has_hf_tp_plan(t), "seconds": {}} for t in types
     }
     started = time.perf_counter()
     _log(f"{len(types)} types, single-process checks ({', '.join(SINGLE_CHECKS)})")

@@ -1,7 +1,7 @@
 """Which transformers causal-LM types RoundPipe's generic preset runs exactly as plain PyTorch.
 
-For every causal-LM ``model_type`` (tiny random configs from :mod:`slapo.model_zoo`): a
-Llama-style model is cut by the generic preset (:mod:`roundpipe.models.generic`, bypassing its
+For every causal-LM ``model_type`` (tiny random configs from :mod:`slapo.testing`): a
+Llama-style model is cut by the generic preset (:mod:`roundpipe.models.generic_preset`, bypassing its
 allowlist) and run in 2 microbatches on one CPU virtual device; its loss (router loss included,
 ``output_router_logits=True`` on mixtures of experts) and every gradient are compared with the
 plain model's. The types that come out equal are what ``GENERIC_MODEL_TYPES`` lists.
@@ -22,7 +22,7 @@ os.environ.setdefault("ROUNDPIPE_VIRTUAL_DEVICES", "1")
 
 import torch  # noqa: E402
 
-import slapo.model_zoo as zoo  # noqa: E402
+import slapo.testing as zoo  # noqa: E402
 from roundpipe import RoundPipeRunConfig  # noqa: E402
 from roundpipe.models import SUPPORTED_MODELS, generic  # noqa: E402
 from roundpipe.models.moe import install_router_hooks  # noqa: E402

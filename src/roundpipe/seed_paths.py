@@ -22,7 +22,7 @@ __all__ = ["SEED_PATHS", "register_seed_paths"]
 #: seed 004's module name -> where it lives now (``roundpipe.optim`` and ``roundpipe.models``
 #: are packages of their own and need no entry).
 SEED_PATHS: dict[str, str] = {
-    "attribute": "wrapping.attribute",
+    "attribute": "devices.attribute",
     "roundpipe": "wrapping.model",
     "wrapper": "wrapping.wrap",
     "utils": "wrapping.sizes",

@@ -14,12 +14,12 @@ from typing import Any, get_type_hints
 
 from . import __version__
 from .exceptions import SlapoError
-from .plan.cli import add_parser as add_plan
+from .plan.plan_cli import add_parser as add_plan
 from .primitives import list_primitives
 from .train import TrainConfig
 from .train import add_parser as add_train
-from .train.cli import parse_bool
-from .tune.cli import add_parser as add_tune
+from .train.train_cli import parse_bool
+from .tune.tune_cli import add_parser as add_tune
 
 
 def _primitives(args: argparse.Namespace) -> int:
@@ -109,7 +109,7 @@ def _add_estimate(sub: Any) -> None:
 
 def _estimate(args: argparse.Namespace) -> int:
     from .memory import format_bytes
-    from .train.memory import estimate_config
+    from .train.run_memory import estimate_config
 
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in _estimate_fields()})
     optimizer = {"adamw": None, "adam": "adam", "sgd": "sgd", "none": "none"}[args.optimizer]
@@ -132,7 +132,7 @@ def _estimate(args: argparse.Namespace) -> int:
             doc["fits_memory_budget"] = fits
         print(json.dumps(doc))
         return 0 if fits in (None, True) else 1
-    from .train.layout import schedule_knobs
+    from .train.job_layout import schedule_knobs
 
     world = args.dp * cfg.pp * cfg.cp * cfg.tp
     tp = f", {last.target} rank {args.rank} of {world}" if world > 1 else ""

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from .exceptions import CorpusError, DataError
+
 __all__ = [
     "default_corpus",
     "ByteBatches",
@@ -47,7 +49,7 @@ def default_corpus(max_bytes: int = 4_000_000) -> bytes:
             break
     corpus = b"".join(chunks)[:max_bytes]
     if len(corpus) < 10_000:
-        raise RuntimeError(f"the standard library at {root} holds too little source to train on")
+        raise CorpusError(f"the standard library at {root} holds too little source to train on")
     return corpus
 
 
@@ -80,7 +82,7 @@ class ByteBatches(_SeededBatches):
 
     def __init__(self, corpus: bytes, batch_size: int, seq_len: int, seed: int = 0) -> None:
         if len(corpus) <= seq_len:
-            raise ValueError(f"corpus of {len(corpus)} bytes is shorter than seq_len={seq_len}")
+            raise DataError(f"corpus of {len(corpus)} bytes is shorter than seq_len={seq_len}")
         super().__init__(batch_size, seq_len, seed)
         self.tokens = torch.frombuffer(bytearray(corpus), dtype=torch.uint8).long()
 
@@ -107,7 +109,7 @@ class MaskedByteBatches(ByteBatches):
     ) -> None:
         super().__init__(corpus, batch_size, seq_len, seed)
         if not 0 < mask_prob < 1:
-            raise ValueError(f"mask_prob must lie in (0, 1), got {mask_prob}")
+            raise DataError(f"mask_prob must lie in (0, 1), got {mask_prob}")
         self.mask_prob = mask_prob
 
     def next(self) -> dict[str, torch.Tensor]:
@@ -143,7 +145,7 @@ class TokenBatches(_SeededBatches):
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0) -> None:
         self.windows = len(tokens) // seq_len
         if self.windows < 1:
-            raise ValueError(f"{len(tokens)} tokens are fewer than seq_len={seq_len}")
+            raise DataError(f"{len(tokens)} tokens are fewer than seq_len={seq_len}")
         super().__init__(batch_size, seq_len, seed)
         self.tokens = tokens
 
@@ -173,7 +175,7 @@ class MaskedTokenBatches(TokenBatches):
     ) -> None:
         super().__init__(tokens, batch_size, seq_len, seed)
         if not 0 < mask_prob < 1:
-            raise ValueError(f"mask_prob must lie in (0, 1), got {mask_prob}")
+            raise DataError(f"mask_prob must lie in (0, 1), got {mask_prob}")
         self.mask_prob = mask_prob
 
     def next(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import fx, nn
 
-from .exceptions import PrimitiveError, SchedulePathError, SlapoError
+from .exceptions import PrimitiveError, SchedulePathError, ScheduleTypeError, SlapoError
 from .ranks import get_rank, get_world_size
 from .surgery import forward_wraps, join_path, label
 
@@ -202,7 +202,7 @@ class Schedule:
         **kwargs: Any,
     ) -> None:
         if not isinstance(mod, nn.Module):
-            raise TypeError(
+            raise ScheduleTypeError(
                 f"create_schedule needs an nn.Module, got {type(mod).__name__}; "
                 "pass the model (or submodule) itself"
             )
@@ -275,7 +275,7 @@ class Schedule:
                 )
             target = str(target.target)
         if not isinstance(target, str):
-            raise TypeError(f"get_module takes a dotted path or an fx node, got {target!r}")
+            raise ScheduleTypeError(f"get_module takes a dotted path or an fx node, got {target!r}")
         try:
             return self.mod.get_submodule(target)
         except AttributeError as exc:
@@ -298,7 +298,9 @@ class Schedule:
         if isinstance(path, int):
             path = str(path)
         if not isinstance(path, str):
-            raise TypeError(f"a schedule path is a dotted string such as 'layers.0', got {path!r}")
+            raise ScheduleTypeError(
+                f"a schedule path is a dotted string such as 'layers.0', got {path!r}"
+            )
         if path == "":
             return self
         sch = self

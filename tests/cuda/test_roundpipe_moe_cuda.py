@@ -12,7 +12,7 @@ import torch
 
 from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
 
-zoo = pytest.importorskip("slapo.model_zoo")
+zoo = pytest.importorskip("slapo.testing")
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

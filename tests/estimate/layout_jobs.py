@@ -189,9 +189,9 @@ def llama_pipeline(rank: int, world: int) -> dict[str, Any]:
     ``slapo train`` makes it (``estimate_config``) and the measurement of the stage that
     ``slapo train --pp 2`` builds (its model, ready schedule, 1F1B over 2 microbatches)."""
     from slapo.train import TrainConfig
-    from slapo.train.layout import Layout, schedule_for
-    from slapo.train.memory import estimate_config
+    from slapo.train.job_layout import Layout, schedule_for
     from slapo.train.presets import build_model, causal_lm_loss
+    from slapo.train.run_memory import estimate_config
 
     out = {}
     ids = make_batch(seed=1)["input_ids"] % 256  # the bytes tokenizer's vocabulary

@@ -1,6 +1,6 @@
 """Mixed-precision steps measured beside their estimate: autocast (eager, DDP) and FSDP2's
 ``MixedPrecisionPolicy``, built here as the targets build them, measured with
-:class:`slapo.train.memory.PeakMemory` (parameter, gradient and optimizer-state storages, the
+:class:`slapo.train.run_memory.PeakMemory` (parameter, gradient and optimizer-state storages, the
 most bytes saved for backward alive at once, and the engine's own buffers).
 
 Spawned gloo jobs (:func:`data_parallel_bf16`) and an in-process helper (:func:`measure`).
@@ -19,7 +19,7 @@ from torch import nn
 
 import slapo
 from slapo.precision import Precision
-from slapo.train.memory import PeakMemory
+from slapo.train.run_memory import PeakMemory
 
 BF16 = Precision.of("bf16")
 Forward = Callable[[dict[str, torch.Tensor]], torch.Tensor]

@@ -53,7 +53,7 @@ def test_bad_flags_are_usage_errors(capsys):
 
 def test_a_compare_run_needs_what_its_larger_run_needs():
     from slapo.train import TrainConfig
-    from slapo.train.memory import estimate_config
+    from slapo.train.run_memory import estimate_config
 
     small = {"model": "opt", "batch_size": 2, "seq_len": 32}
     both = estimate_config(TrainConfig(compare=True, **small))
@@ -85,7 +85,7 @@ def test_pipeline_replicas_hold_no_ddp_buckets():
     from slapo.memory.targets import PIPELINE_REPLICA_BUCKET_BYTES
     from slapo.pipeline.replicas import BUCKET_BYTES
     from slapo.train import TrainConfig
-    from slapo.train.memory import estimate_config
+    from slapo.train.run_memory import estimate_config
 
     assert PIPELINE_REPLICA_BUCKET_BYTES == BUCKET_BYTES
     cfg = {"model": "gpt2", "batch_size": 4, "seq_len": 32, "pp": 2, "num_microbatches": 2}

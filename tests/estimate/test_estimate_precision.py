@@ -1,7 +1,7 @@
 """The memory planner in mixed precision: float32 master weights and optimizer state, activations
 and gathered parameters in the compute dtype, each target as its engine applies it.
 
-Measured (``precision_jobs``, :class:`slapo.train.memory.PeakMemory`): an eager step under
+Measured (``precision_jobs``, :class:`slapo.train.run_memory.PeakMemory`): an eager step under
 ``torch.autocast`` in one process, and DDP (autocast) and FSDP2 (``MixedPrecisionPolicy(bf16,
 fp32)``) on 2 gloo ranks, each within 10% of its bf16 estimate (in practice byte for byte).
 Analytic: the parts of a small Llama under every target. From a config: a directory holding only
@@ -175,7 +175,7 @@ def test_estimate_a_config_only_directory(tmp_path, capsys):
     assert fp32["params"] == doc["params"] and fp32["engine"] == 2 * doc["engine"]
 
     from slapo.train import TrainConfig
-    from slapo.train.memory import estimate_config
+    from slapo.train.run_memory import estimate_config
 
     cfg = TrainConfig(model=str(model_dir), batch_size=2, seq_len=32, device="cuda")
     est = estimate_config(cfg)  # the Python API; cuda: bf16 unless --precision says otherwise
@@ -193,7 +193,7 @@ def test_a_large_vocabulary_and_long_sequence_estimate(tmp_path):
     """Llama 3's vocabulary and 8192 tokens, on a narrow model: the batch's token ids lie within
     the vocabulary, the logits are counted (fake: nothing is allocated)."""
     from slapo.train import TrainConfig
-    from slapo.train.memory import estimate_config
+    from slapo.train.run_memory import estimate_config
 
     model_dir = _config_dir(
         tmp_path / "wide-vocab", vocab_size=128256, max_position_embeddings=8192

@@ -178,7 +178,7 @@ def test_fake_layout_groups_give_each_kind_its_group():
 def test_a_run_rank_maps_to_the_estimate_mesh_by_its_coordinates():
     from types import SimpleNamespace
 
-    from slapo.train.memory import _spec_rank
+    from slapo.train.run_memory import _spec_rank
 
     class Mesh:  # the run's ("pp", "dp", "cp", "tp") mesh, as slapo train lays it out
         mesh_dim_names = ("pp", "dp", "cp", "tp")

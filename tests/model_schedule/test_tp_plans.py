@@ -9,9 +9,9 @@ import torch
 from tp_plan_jobs import CASES, plans_job
 
 from dist_utils import check_all, run_workers
-from slapo import model_zoo
 from slapo.exceptions import SlapoError
 from slapo.model_schedule import STYLES, TPPlan, from_hf_plan
+from slapo.testing import zoo_models
 
 #: Cases whose Hugging Face plan is incomplete in older transformers releases (refused there).
 OLDER_PLANS_REFUSED = ("llama4_text",)
@@ -55,15 +55,15 @@ def test_plans_that_cannot_be_right_raise_typed_errors(report):
 
 
 def test_hf_plans_translate_to_our_styles():
-    plan = from_hf_plan(model_zoo.tiny_model("qwen3"))
+    plan = from_hf_plan(zoo_models.tiny_model("qwen3"))
     assert plan.styles["model.layers.*.self_attn.q_norm"] == "replicated_grad"
     assert plan.styles["model.layers.*.self_attn.o_proj"] == "rowwise"
     assert set(plan.styles.values()) <= set(STYLES)
-    assert from_hf_plan(model_zoo.tiny_model("gpt2")) is None  # none of its own: inferred
+    assert from_hf_plan(zoo_models.tiny_model("gpt2")) is None  # none of its own: inferred
 
 
 def test_a_style_slapo_lacks_is_refused_by_name():
-    model = model_zoo.tiny_model("llama")
+    model = zoo_models.tiny_model("llama")
     model.config.base_model_tp_plan = {"layers.*.mlp.up_proj": "moe_identity_expert"}
     with pytest.raises(SlapoError, match="'moe_identity_expert', which slapo does not implement"):
         from_hf_plan(model)

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 
 import slapo
-from slapo import model_zoo
 from slapo.exceptions import SlapoError
 from slapo.model_schedule import TPPlan, apply_schedule, apply_tp_plan
 from slapo.sharding import get_shard_spec
+from slapo.testing import zoo_models
 
 #: case -> (model type, knobs, where its plan comes from)
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
@@ -35,7 +35,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
 def _relative_worst(model: torch.nn.Module, grads: dict, ref_grads: dict) -> tuple[float, str]:
     worst, where = 0.0, ""
     for name, param in model.named_parameters():
-        key = model_zoo._clean_name(name)
+        key = zoo_models._clean_name(name)
         if grads[key] is None or ref_grads[key] is None:  # unused by this loss: both, or wrong
             if (grads[key] is None) != (ref_grads[key] is None):
                 return float("inf"), key
@@ -52,16 +52,16 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
     """Per case: (reference loss, loss, worst relative gradient difference, its parameter,
     sharded parameter count)."""
     out: dict[str, Any] = {}
-    known = set(model_zoo.causal_lm_types())
+    known = set(zoo_models.causal_lm_types())
     for case, (model_type, knobs, _) in CASES.items():
         if model_type not in known:  # newer than the installed transformers
             out[case] = None
             continue
         torch.manual_seed(0)
-        ref = model_zoo.tiny_model(model_type)
+        ref = zoo_models.tiny_model(model_type)
         model = copy.deepcopy(ref)
-        batch = model_zoo.sample_batch(ref)
-        ref_loss, ref_grads = model_zoo.train_step(ref, batch)
+        batch = zoo_models.sample_batch(ref)
+        ref_loss, ref_grads = zoo_models.train_step(ref, batch)
         try:
             sch = apply_schedule(
                 model, group=torch.distributed.group.WORLD, ckpt_ratio=0.0, **knobs
@@ -70,7 +70,7 @@ def plans_job(rank: int, world: int) -> dict[str, Any]:
             out[case] = str(exc)
             continue
         model, _ = slapo.build(sch, init_weights=False)
-        loss, grads = model_zoo.train_step(model, batch)
+        loss, grads = zoo_models.train_step(model, batch)
         worst, where = _relative_worst(model, grads, ref_grads)
         sharded = sum(get_shard_spec(p) is not None for p in model.parameters())
         out[case] = (float(ref_loss), float(loss), worst, where, sharded)
@@ -85,17 +85,17 @@ def _errors() -> dict[str, str | None]:
     cases = {
         "heads": lambda: _odd_heads(group),
         "no row": lambda: apply_tp_plan(
-            slapo.create_schedule(model_zoo.tiny_model("llama"), group=group),
+            slapo.create_schedule(zoo_models.tiny_model("llama"), group=group),
             TPPlan({"model.layers.*.mlp.up_proj": "colwise"}),
         ),
         "packed halves": lambda: apply_schedule(
-            model_zoo.tiny_model("inkling2_text"), group=group, ckpt_ratio=0.0
+            zoo_models.tiny_model("inkling2_text"), group=group, ckpt_ratio=0.0
         ),
         "sequence parallel experts": lambda: apply_schedule(
-            model_zoo.tiny_model("mixtral"), group=group, ckpt_ratio=0.0, sequence_parallel=True
+            zoo_models.tiny_model("mixtral"), group=group, ckpt_ratio=0.0, sequence_parallel=True
         ),
     }
-    known = set(model_zoo.causal_lm_types())
+    known = set(zoo_models.causal_lm_types())
     for name, make in cases.items():
         if name == "packed halves" and "inkling2_text" not in known:
             errors[name] = None
@@ -109,8 +109,8 @@ def _errors() -> dict[str, str | None]:
 
 
 def _odd_heads(group: Any) -> None:
-    config = model_zoo.tiny_config("llama")
+    config = zoo_models.tiny_config("llama")
     config.num_attention_heads = config.num_key_value_heads = 3
     config.head_dim = 16
-    model = type(model_zoo.tiny_model("llama"))(config)
+    model = type(zoo_models.tiny_model("llama"))(config)
     apply_schedule(model, group=group, ckpt_ratio=0.0)

@@ -16,7 +16,7 @@ import torch
 
 from slapo.exceptions import SlapoError
 from slapo.plan import PRESETS, calibrate_device, write_calibration
-from slapo.plan.calibrate import _attention_flops, _fit_link, _ring
+from slapo.plan.calibrate import _attention_flops, _fit_link, _ring, calibrate_shapes
 from slapo.plan.hardware import OP_KINDS, DeviceSpecError, Link, load_device
 from slapo.plan.step_time import StepCounter
 
@@ -54,6 +54,38 @@ def test_cpu_calibration_states_measured_rates(cpu_file) -> None:
     assert spec.source.startswith("calibrated on ")
     assert f"torch {torch.__version__}" in spec.source
     assert "gloo x2" in spec.source and "sdpa causal" in spec.source
+    # FSDP2's own work per unit, timed on the same two processes; a transformer's op overhead
+    assert spec.engine_overhead_us["fsdp_unit"] > 0 and "FSDP2" in spec.source
+    assert spec.op_overhead_us > 0 and "per op" in spec.source
+
+
+def test_shapes_are_measured_at_the_ranks_thread_count() -> None:
+    keys = ["matmul fp32 64x48x32 nn", "matmul fp32 2x16x8x4 nt", "matmul fp32 64x48x32 tn",
+            "attention fwd fp32 4x32x32x16 causal", "attention bwd fp32 4x32x32x16 causal"]  # fmt: skip
+    base = PRESETS["h200"]
+    spec = calibrate_shapes(base, keys, threads=1, quick=True)
+    assert sorted(spec.op_tflops) == sorted(f"{k} @1t" for k in keys)
+    assert all(rate > 0 for rate in spec.op_tflops.values())
+    assert dataclasses.replace(spec, op_tflops={}) == base  # nothing else changes
+    before = torch.get_num_threads()
+    calibrate_shapes(base, keys[:1], threads=1, quick=True)
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize(
+    ("keys", "threads", "named"),
+    [
+        (["matmul fp32 64x48"], None, "cannot read shape key"),
+        (["conv fp32 1x2x3"], None, "cannot read shape key"),
+        (["attention sideways fp32 1x2x3x4"], None, "cannot read shape key"),
+        (["matmul fp32 8x8x8"], None, "cannot read shape key"),  # no operand layout
+        (["matmul fp32 8x8x8 nx"], None, "cannot read shape key"),
+        (["matmul fp32 8x8x8 nn"], 0, "threads"),
+    ],
+)
+def test_bad_shape_keys_are_named(keys, threads, named: str) -> None:
+    with pytest.raises(DeviceSpecError, match=named):
+        calibrate_shapes(PRESETS["h200"], keys, threads=threads, quick=True)
 
 
 def test_base_keeps_its_datasheet_and_takes_fractions() -> None:

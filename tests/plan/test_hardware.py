@@ -43,6 +43,9 @@ def test_preset_peaks_match_the_throughput_table(name: str, row: str) -> None:
         ("host_link", {"gbps": 2}, "host_link"),
         ("op_overhead_us", -1, "op_overhead_us"),
         ("overlap_slowdown", 2, "overlap_slowdown"),
+        ("op_tflops", {"matmul fp32 8x8x8": 0}, "op_tflops.matmul fp32 8x8x8"),
+        ("op_tflops", [1.0], "op_tflops"),
+        ("engine_overhead_us", {"fsdp_unit": -1}, "engine_overhead_us.fsdp_unit"),
     ],
 )  # fmt: skip
 def test_a_bad_field_is_named(tmp_path, field: str, value, named: str) -> None:
@@ -78,9 +81,30 @@ def test_cluster_picks_the_link_a_group_crosses() -> None:
 def test_a_file_written_before_host_links_still_loads(tmp_path) -> None:
     # device files from before host_link/op_overhead_us/overlap_slowdown take their defaults
     data = dataclasses.asdict(PRESETS["a100-80gb-sxm"])
-    for field in ("host_link", "op_overhead_us", "overlap_slowdown"):
+    for field in ("host_link", "op_overhead_us", "overlap_slowdown", "op_tflops",
+                  "engine_overhead_us"):  # fmt: skip
         del data[field]
     (tmp_path / "old.json").write_text(json.dumps(data))
     old = load_device(tmp_path / "old.json")
     assert old.host_link.gbps == 32.0 and old.op_overhead_us == 0.0
     assert old.overlap_slowdown == PRESETS["a100-80gb-sxm"].overlap_slowdown
+    assert old.op_tflops == {} and old.engine_overhead_us == {}
+
+
+def test_measured_tables_round_trip(tmp_path) -> None:
+    spec = dataclasses.replace(
+        PRESETS["h200"], op_tflops={"matmul bf16 1024x384x128": 312.5},
+        engine_overhead_us={"fsdp_unit": 40.0},
+    )  # fmt: skip
+    assert load_device(save_device(spec, tmp_path / "d.json")) == spec
+
+
+def test_ranks_sharing_cores_split_threads_and_host_work() -> None:
+    cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+    # one thread per rank: a core each up to two ranks, a quarter of one at eight
+    assert [cpu.thread_share(n) for n in (1, 2, 8)] == [1.0, 1.0, 0.25]
+    assert [cpu.host_slowdown(n) for n in (1, 2, 8)] == [1.0, 1.0, 4.0]
+    both = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=1, shared_cores=2, threads_per_rank=2)
+    assert both.thread_share(1) == 1.0 and both.rank_share(1) == 1.0
+    gpus = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)  # a device per rank
+    assert gpus.thread_share(8) == 1.0 and gpus.host_slowdown(8) == 1.0

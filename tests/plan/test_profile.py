@@ -27,7 +27,7 @@ from slapo.plan.profile import (
 )
 from slapo.plan.step_time import PlanError
 from slapo.train.config import TrainConfig
-from slapo.train.memory import estimate_config, layout_spec
+from slapo.train.run_memory import estimate_config, layout_spec
 
 pytest.importorskip("transformers")
 

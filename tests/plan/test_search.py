@@ -21,8 +21,8 @@ from slapo.plan.search import (
 )
 from slapo.plan.step_time import PlanError
 from slapo.train import add_parser as add_train
-from slapo.train.cli import config_from_args
 from slapo.train.config import TrainConfig
+from slapo.train.train_cli import config_from_args
 
 pytest.importorskip("transformers")
 

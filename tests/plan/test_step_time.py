@@ -7,6 +7,8 @@ seconds follow from the counts by the stated formulas.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
@@ -14,7 +16,14 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 import slapo
 from slapo.memory import estimate_memory
 from slapo.plan.hardware import PRESETS, ClusterSpec
-from slapo.plan.step_time import PlanError, StepCounter, _attention_flops, predict_step
+from slapo.plan.step_time import (
+    PlanError,
+    StepCounter,
+    StepCounts,
+    _attention_flops,
+    predict_step,
+    shape_key,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,3 +142,81 @@ def test_tensor_parallel_all_reduces_are_counted_from_the_step() -> None:
 def test_a_cluster_that_is_not_one_is_a_typed_error() -> None:
     with pytest.raises(PlanError, match="ClusterSpec"):
         predict_step(slapo.create_schedule(_llama()), _batch(), PRESETS["h100-sxm"], dp=2)
+
+
+def test_shape_keys_name_each_gemm_and_attention_kernel() -> None:
+    a, b, bias = torch.ones(64, 32), torch.ones(32, 16), torch.ones(16)
+    aten = torch.ops.aten
+    assert shape_key(aten.mm.default, (a, b), {}) == "matmul fp32 64x16x32 nn"
+    assert shape_key(aten.addmm.default, (bias, a, b), {}) == "matmul fp32 64x16x32 nn"
+    # a linear's forward multiplies by its weight transposed
+    weight = torch.ones(16, 32)
+    assert shape_key(aten.addmm.default, (bias, a, weight.t()), {}) == "matmul fp32 64x16x32 nt"
+    batched = (torch.ones(3, 64, 32, dtype=torch.bfloat16), torch.ones(3, 32, 8))
+    assert shape_key(aten.bmm.default, batched, {}) == "matmul bf16 3x64x8x32 nn"
+    q, k = torch.ones(2, 4, 32, 16), torch.ones(2, 4, 24, 16)
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert shape_key(sdpa, (q, k, k, 0.0, True), {}) == "attention fwd fp32 8x32x24x16 causal"
+    assert shape_key(aten.add.Tensor, (a, a), {}) is None  # memory-bound: no per-shape rate
+
+
+def test_shaped_flops_are_every_matmul_and_attention_flop() -> None:
+    model = _llama()
+    model.config._attn_implementation = "sdpa"
+    counter = _fake_matmul_flops(slapo.create_schedule(model), _batch())
+    for kind in ("matmul", "attention"):
+        by_shape = sum(n for (_, key), n in counter.shaped_flops.items() if key.startswith(kind))
+        assert by_shape == sum(n for (_, k), n in counter.flops.items() if k == kind) > 0
+    keys = {key for _, key in counter.shaped_flops}
+    # the MLP's up projection forward (2 x 16 tokens, 64 -> 128), its weight's gradient
+    assert {"matmul fp32 32x128x64 nt", "matmul fp32 128x64x32 tn"} <= keys
+
+
+def _cpu(threads: int, ranks: int = 1, **device) -> ClusterSpec:
+    dev = dataclasses.replace(PRESETS["h100-sxm"], **device)
+    return ClusterSpec(dev, gpus_per_node=ranks, shared_cores=2, threads_per_rank=threads)
+
+
+def test_a_measured_shape_runs_at_its_own_rate() -> None:
+    model = _llama()
+    model.config._attn_implementation = "sdpa"
+    sch = slapo.create_schedule(model)
+    counter = _fake_matmul_flops(sch, _batch())
+    counts = StepCounts.of(counter)
+    plain = predict_step(sch, _batch(), _cpu(2), target="eager", precision="fp32")
+    # every matmul shape measured at a tenth of the generic fp32 rate, at 2 threads
+    rate = PRESETS["h100-sxm"].achievable_tflops("matmul", "tf32") / 10
+    table = {f"{k} @2t": rate for k in counts.shapes() if k.startswith("matmul")}
+    slow = predict_step(sch, _batch(), _cpu(2, op_tflops=table), target="eager", precision="fp32")
+    for phase in ("forward", "backward"):
+        assert slow.time_terms[f"matmul ({phase})"] == pytest.approx(
+            10 * plain.time_terms[f"matmul ({phase})"]
+        )
+        assert slow.time_terms[f"attention ({phase})"] == plain.time_terms[f"attention ({phase})"]
+    # a rate measured at another thread count does not apply; eight one-thread ranks on two
+    # cores get a quarter of a rate measured at one thread
+    other = predict_step(sch, _batch(), _cpu(1, op_tflops=table), target="eager", precision="fp32")
+    one_thread = predict_step(sch, _batch(), _cpu(1), target="eager", precision="fp32")
+    assert other.time_terms["matmul (forward)"] == one_thread.time_terms["matmul (forward)"]
+    one = {k.replace("@2t", "@1t"): v for k, v in table.items()}
+    alone = predict_step(sch, _batch(), _cpu(1, 2, op_tflops=one), target="ddp", dp=2)
+    crowded = predict_step(sch, _batch(), _cpu(1, 8, op_tflops=one), target="ddp", dp=8)
+    assert crowded.time_terms["matmul (forward)"] == pytest.approx(
+        4 * alone.time_terms["matmul (forward)"]
+    )
+
+
+def test_a_calibrated_fsdp_unit_replaces_its_collectives_latency() -> None:
+    sch = slapo.create_schedule(_llama())  # 2 layers: 3 FSDP units
+    cpu = dict(op_overhead_us=0.0)
+    plain = predict_step(sch, _batch(), _cpu(1, 2, **cpu), target="fsdp", dp=2)
+    unit = _cpu(1, 2, engine_overhead_us={"fsdp_unit": 1000.0}, **cpu)
+    timed = predict_step(sch, _batch(), unit, target="fsdp", dp=2)
+    assert timed.time_terms["fsdp hooks, copies, latency"] == pytest.approx(3 * 1000e-6)
+    assert "fsdp hooks, copies, latency" not in plain.time_terms
+    # the unit's figure holds its collectives' latency: they keep their bytes only
+    hidden = timed.counts["hidden_collective_seconds"]["fsdp reduce-scatter"]
+    assert hidden < plain.counts["hidden_collective_seconds"]["fsdp reduce-scatter"]
+    eight = dataclasses.replace(unit, gpus_per_node=8)  # eight ranks' hooks on two cores
+    crowded = predict_step(sch, _batch(), eight, target="fsdp", dp=8)
+    assert crowded.time_terms["fsdp hooks, copies, latency"] == pytest.approx(4 * 3 * 1000e-6)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from roundpipe import RoundPipeRunConfig, wrap_model_to_roundpipe
-from roundpipe.models import generic, moe, routing
+from roundpipe.models import generic_preset, moe, routing
 
-zoo = pytest.importorskip("slapo.model_zoo")
+zoo = pytest.importorskip("slapo.testing")
 
 
 def _batch(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -67,7 +67,9 @@ def test_moe_without_router_loss_adds_none(two_devices):
 
 def test_type_the_generic_preset_does_not_reproduce_is_refused_by_name(two_devices):
     model = zoo.tiny_model("cohere")  # scales its logits: not the plain Llama head
-    assert generic.is_llama_style(model) and "cohere" not in generic.GENERIC_MODEL_TYPES
+    assert (
+        generic_preset.is_llama_style(model) and "cohere" not in generic_preset.GENERIC_MODEL_TYPES
+    )
     with pytest.raises(NotImplementedError, match="'cohere'"):
         wrap_model_to_roundpipe(model, use_sequential_preset=True, pin_model="off")
 
@@ -103,7 +105,7 @@ def test_recompute_choosing_other_experts_without_a_rule_is_a_typed_error(monkey
     assert torch.equal(replay.indices[0], forward.indices[0])
 
 
-@pytest.mark.parametrize("name", ["generic", "routing"])
+@pytest.mark.parametrize("name", ["generic_preset", "routing"])
 def test_generic_docstring_examples(two_devices, name):
     import doctest
     import importlib

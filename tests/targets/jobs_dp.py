@@ -90,8 +90,8 @@ def check_replicated_grads(target: str, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from slapo.model_schedule import apply_schedule
-    from slapo.model_zoo import tiny_model
     from slapo.sharding import get_shard_spec
+    from slapo.testing.zoo_models import tiny_model
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
     ids = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(1))

@@ -13,7 +13,7 @@ from layout_runs import ONE_PROCESS, plan_run, same_curve
 
 from slapo.exceptions import SlapoError
 from slapo.train import TrainConfig, train
-from slapo.train.layout import check_context_expert
+from slapo.train.job_layout import check_context_expert
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(600)]
 

@@ -17,8 +17,8 @@ from slapo.primitives.compile_rng import RNG_MODES
 from slapo.targets import list_targets
 from slapo.train import InputError, TrainConfig
 from slapo.train.config import SCHEDULE_KNOBS, knob_fields
-from slapo.train.layout import build_target, schedule_knobs
-from slapo.train.memory import layout_spec
+from slapo.train.job_layout import build_target, schedule_knobs
+from slapo.train.run_memory import layout_spec
 from slapo.train.uses import (
     TARGET_USES,
     replica_engine,
@@ -39,7 +39,7 @@ def test_target_choices_are_the_registry_and_the_uses(monkeypatch):
     assert _meta("target")["choices"] == target_choices() == slapo.train.TARGETS
     assert TrainConfig().target in target_choices()
     # a target the registry lacks is no choice, though the main job knows how to use it
-    from slapo.targets import registry
+    from slapo.targets import target_registry as registry
 
     monkeypatch.delitem(registry._TARGETS, "deepspeed")
     assert "deepspeed" not in target_choices() and "deepspeed" in TARGET_USES
@@ -126,7 +126,7 @@ def test_a_target_registered_without_precisions_refuses_bf16_by_name():
 
     import slapo
     from slapo.exceptions import TargetError
-    from slapo.targets import registry
+    from slapo.targets import target_registry as registry
 
     @registry.register_target("plain_test_target")
     def build_plain(sch, **options):

@@ -9,7 +9,7 @@ import sys
 from collections import Counter
 
 from slapo.tune import Database
-from slapo.tune.cli import add_parser, main
+from slapo.tune.tune_cli import add_parser, main
 
 
 def _argv(project, *extra: str) -> list[str]:
@@ -99,7 +99,7 @@ def test_module_entry_point_dry_run(project):
         [
             sys.executable,
             "-m",
-            "slapo.tune.cli",
+            "slapo.tune.tune_cli",
             "--config",
             str(project.config),
             "--db",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 
 from slapo.model_schedule.space import CONTEXT_PARALLEL_FIXED, layout_space, tuning_space
-from slapo.train.cli import train_estimator
+from slapo.train.train_cli import train_estimator
 from slapo.tune import Space
 from slapo.tune.launch import expert_sizes, launch_argv, layout_processes
 

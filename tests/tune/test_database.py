@@ -88,13 +88,16 @@ def test_bad_arguments_are_typed_errors_and_write_nothing(tmp_path):
     assert path.read_bytes() == before
 
 
-# database.py stands alone; loading it by path skips importing slapo (and torch) in the child.
+# database.py needs only the stdlib and the errors (tune/errors.py, exceptions.py): bare package
+# stubs let the child import it without running slapo's __init__ (and importing torch).
 _WRITER = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("db", sys.argv[2])
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-db = mod.Database(sys.argv[1])
+import pathlib, sys, types
+tune = pathlib.Path(sys.argv[2]).parent
+for name, path in (("slapo", tune.parent), ("slapo.tune", tune)):
+    sys.modules[name] = pkg = types.ModuleType(name)
+    pkg.__path__ = [str(path)]
+from slapo.tune.database import Database
+db = Database(sys.argv[1])
 big = "x" * 20000  # large records make a torn write likely if writes were not atomic
 i = 0
 while True:

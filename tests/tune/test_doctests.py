@@ -11,12 +11,13 @@ MODULES = [
     "__init__",
     "space",
     "database",
+    "errors",
     "trial",
     "strategies",
     "model",
     "tuner",
     "report",
-    "cli",
+    "tune_cli",
 ]
 
 

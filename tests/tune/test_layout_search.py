@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from slapo.tune import Database, Space, Tuner
-from slapo.tune.cli import load_update_space, main, parse_training_args
 from slapo.tune.launch import check_launchable, launch_argv, layout_processes
 from slapo.tune.trial import failure_reason, run_trial
+from slapo.tune.tune_cli import load_update_space, main, parse_training_args
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tune_layouts.py"
 TINY = ["--model", "llama", "--seq-len", "16", "--batch-size", "2", "--steps", "3"]
@@ -125,7 +125,7 @@ def test_max_procs_skips_the_wide_layouts_before_any_trial(tmp_path, capsys):
 @pytest.mark.slow
 def test_memory_budget_keeps_the_sharded_layouts_and_drops_the_unsharded(tmp_path, capsys):
     from slapo.cli import main as slapo_main
-    from slapo.train.cli import train_estimator
+    from slapo.train.train_cli import train_estimator
 
     command = [sys.executable, "-m", "slapo", "train", *TINY, *QUIET]
     cfgs = list(Space(load_update_space(str(EXAMPLE)), parse_training_args(command)))

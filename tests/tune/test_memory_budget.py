@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from slapo.tune import Database
-from slapo.tune.cli import main
+from slapo.tune.tune_cli import main
 
 # A real model per configuration: an MLP whose activations grow with the batch size, and shrink
 # when its blocks are checkpointed; estimate_memory runs it on fake tensors.
@@ -113,7 +113,7 @@ def test_slapo_train_trials_are_estimated_by_slapo(tmp_path, capsys):
     # builds what the trial would (model, schedule, AdamW, batch) and estimates it. (That such a
     # run then measures what was estimated: tests/estimate/test_estimate_train_report.py.)
     from slapo.cli import main as slapo_main
-    from slapo.train.cli import train_estimator
+    from slapo.train.train_cli import train_estimator
 
     config = tmp_path / "cfg.py"
     config.write_text(
@@ -153,7 +153,7 @@ def test_a_budget_without_an_estimate_is_a_clear_error(project, capsys):
 def test_docstring_examples_of_the_memory_module():
     import doctest
 
-    import slapo.tune.memory
+    import slapo.tune.memory_budget
 
-    result = doctest.testmod(slapo.tune.memory, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(slapo.tune.memory_budget, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

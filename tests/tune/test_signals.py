@@ -71,7 +71,7 @@ def _start_tuner(tmp_path: Path, fast: list[int]) -> tuple[subprocess.Popen[str]
     cmd = [
         sys.executable,
         "-m",
-        "slapo.tune.cli",
+        "slapo.tune.tune_cli",
         "--config",
         str(config),
         "--db",

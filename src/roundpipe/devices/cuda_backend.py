@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import RoundPipeValueError
 from .backend import DeviceBackend, DeviceQueues, GradLanding, Streams, set_slot
 from .link import CopyEngine
 
@@ -32,7 +33,9 @@ class CudaBackend(DeviceBackend):
 
     def __init__(self, device: torch.device, link_gbps: float | None = None) -> None:
         if link_gbps is not None:
-            raise ValueError("the link model is for CPU virtual devices; a GPU has a real link")
+            raise RoundPipeValueError(
+                "the link model is for CPU virtual devices; a GPU has a real link"
+            )
         super().__init__(device, None)
 
     @property

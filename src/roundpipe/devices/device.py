@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ..errors import RoundPipeError, RoundPipeRuntimeError, RoundPipeValueError
 from .backend import DeviceBackend
 from .cuda_backend import CudaBackend
 from .link import (
@@ -102,11 +103,11 @@ def prefetch_enabled() -> bool:
     """
     raw = os.environ.get(PREFETCH_ENV, "1").strip()
     if raw not in ("0", "1"):
-        raise ValueError(f"{PREFETCH_ENV} must be 0 (off) or 1 (on), got {raw!r}")
+        raise RoundPipeValueError(f"{PREFETCH_ENV} must be 0 (off) or 1 (on), got {raw!r}")
     return raw == "1"
 
 
-class DeviceMemoryError(MemoryError):
+class DeviceMemoryError(RoundPipeError, MemoryError):
     """RoundPipe tried to keep more bytes resident on a device than its budget allows."""
 
 
@@ -177,7 +178,7 @@ def make_backend(device: torch.device, link_gbps: float | None = None) -> Device
         return CudaBackend(device, link_gbps)
     if device.type == "cpu":
         return VirtualBackend(device, link_gbps)
-    raise ValueError(f"no RoundPipe device backend for {device.type!r} devices")
+    raise RoundPipeValueError(f"no RoundPipe device backend for {device.type!r} devices")
 
 
 class _Job:
@@ -383,7 +384,7 @@ class DeviceManager:
         on the uploader thread ahead of the job, see :meth:`take_prepared`) is used only where
         copies are asynchronous."""
         if self.shutdown:
-            raise RuntimeError(f"{self} has been shut down")
+            raise RoundPipeRuntimeError(f"{self} has been shut down")
         job = _Job(state, what, fn, args, prepare if self.async_copies else None)
         state.add_jobs(1)
         with self._cv:
@@ -588,7 +589,7 @@ def init_devices(
         else:
             backend = "cuda"
     if backend not in ("cpu", "cuda"):
-        raise ValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
+        raise RoundPipeValueError(f"backend must be 'cpu' or 'cuda', got {backend!r}")
     budget = (
         parse_bytes(memory_limit, "memory_limit") if memory_limit is not None else _default_budget()
     )
@@ -597,12 +598,14 @@ def init_devices(
             link_gbps_from_env() if link_gbps is None else check_gbps(link_gbps, "link_gbps")
         )
     elif link_gbps is not None:
-        raise ValueError("link_gbps models the link of CPU virtual devices; use backend='cpu'")
+        raise RoundPipeValueError(
+            "link_gbps models the link of CPU virtual devices; use backend='cpu'"
+        )
     with _init_lock:
         shutdown_devices()
         if backend == "cuda":
             if not torch.cuda.is_available():
-                raise RuntimeError("backend='cuda' requested but CUDA is not available")
+                raise RoundPipeRuntimeError("backend='cuda' requested but CUDA is not available")
             n = torch.cuda.device_count()
             device_list.extend(DeviceManager(i, torch.device("cuda", i), budget) for i in range(n))
         else:
@@ -610,11 +613,13 @@ def init_devices(
                 try:
                     num_virtual = int(env_n) if env_n else 1
                 except ValueError as e:
-                    raise ValueError(
+                    raise RoundPipeValueError(
                         f"ROUNDPIPE_VIRTUAL_DEVICES must be an integer, got {env_n!r}"
                     ) from e
             if not isinstance(num_virtual, int) or isinstance(num_virtual, bool) or num_virtual < 1:
-                raise ValueError(f"num_virtual must be a positive int, got {num_virtual!r}")
+                raise RoundPipeValueError(
+                    f"num_virtual must be a positive int, got {num_virtual!r}"
+                )
             device_list.extend(
                 DeviceManager(i, torch.device("cpu"), budget, link_gbps) for i in range(num_virtual)
             )

@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ..errors import RoundPipeRuntimeError, RoundPipeValueError
 from .threads import RoundPipeThread, RoundPipeTimeoutError, get_wait_timeout
 
 __all__ = [
@@ -118,7 +119,7 @@ def check_gbps(value: Any, name: str) -> float:
     except (TypeError, ValueError):
         gbps = float("nan")
     if not (0 < gbps < float("inf")):
-        raise ValueError(
+        raise RoundPipeValueError(
             f"{name} must be a positive number of gigabytes per second (e.g. 16), got {value!r}"
         )
     return gbps
@@ -271,7 +272,7 @@ class CopyEngine:
         if gbps is not None:
             gbps = check_gbps(gbps, "gbps")
             if not threaded:
-                raise ValueError("a modelled link needs a threaded copy engine")
+                raise RoundPipeValueError("a modelled link needs a threaded copy engine")
         self.name = name
         self.gbps = gbps
         self.bandwidth = gbps * 1e9 if gbps is not None else None
@@ -316,7 +317,7 @@ class CopyEngine:
             return event
         with self._cv:
             if self._stop:
-                raise RuntimeError(f"{self} has been shut down")
+                raise RoundPipeRuntimeError(f"{self} has been shut down")
             self._queues[lane.express].append(item)
             self._outstanding += 1
             lane._last = event

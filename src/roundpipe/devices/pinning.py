@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import RoundPipeRuntimeError, RoundPipeValueError
+
 __all__ = ["pin_module_alloc", "pin_module_register", "pin_module"]
 
 _registered: list[torch.Tensor] = []  # keeps cudaHostRegister'ed storages alive
@@ -26,7 +28,9 @@ def pin_module_alloc(mod: nn.Module) -> None:
     Shared parameters stay shared because the tensor objects are updated in place.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError("pin_model='alloc' needs CUDA; use pin_model='off' on CPU-only machines")
+        raise RoundPipeRuntimeError(
+            "pin_model='alloc' needs CUDA; use pin_model='off' on CPU-only machines"
+        )
     for t in _tensors(mod):
         if not t.is_pinned():
             t.data = t.data.pin_memory()
@@ -39,7 +43,7 @@ def pin_module_register(mod: nn.Module) -> None:
     transfer speed cost.
     """
     if not torch.cuda.is_available():
-        raise RuntimeError(
+        raise RoundPipeRuntimeError(
             "pin_model='register' needs CUDA; use pin_model='off' on CPU-only machines"
         )
     cudart = torch.cuda.cudart()
@@ -53,7 +57,7 @@ def pin_module_register(mod: nn.Module) -> None:
             continue
         err = cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 0)
         if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed with error {int(err)}")
+            raise RoundPipeRuntimeError(f"cudaHostRegister failed with error {int(err)}")
         _registered.append(t.data)
 
 
@@ -63,7 +67,7 @@ def pin_module(mod: nn.Module, how: str, device_supports_pinning: bool) -> None:
     Pinning only helps devices with asynchronous copies (CUDA); elsewhere it is skipped.
     """
     if how not in ("alloc", "register", "off"):
-        raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {how!r}")
+        raise RoundPipeValueError(f"pin_model must be 'alloc', 'register' or 'off', got {how!r}")
     if how == "off" or not device_supports_pinning:
         return
     if how == "alloc":

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
+from ..errors import RoundPipeError, RoundPipeValueError
+
 __all__ = [
     "AnnotatedEvent",
     "AnnotatedSemaphore",
@@ -45,7 +47,7 @@ class KeyboardInterruptRoundPipeThreads(KeyboardInterrupt):
     """Raised when Ctrl-C arrives while RoundPipe waits for its worker threads."""
 
 
-class RoundPipeTimeoutError(RuntimeError):
+class RoundPipeTimeoutError(RoundPipeError, RuntimeError):
     """A RoundPipe wait exceeded its deadline (likely a deadlock or a stuck worker)."""
 
 
@@ -59,9 +61,11 @@ def get_wait_timeout() -> float:
     try:
         value = float(raw)
     except ValueError as e:
-        raise ValueError(f"ROUNDPIPE_WAIT_TIMEOUT must be a number of seconds, got {raw!r}") from e
+        raise RoundPipeValueError(
+            f"ROUNDPIPE_WAIT_TIMEOUT must be a number of seconds, got {raw!r}"
+        ) from e
     if value <= 0:
-        raise ValueError(f"ROUNDPIPE_WAIT_TIMEOUT must be positive, got {raw!r}")
+        raise RoundPipeValueError(f"ROUNDPIPE_WAIT_TIMEOUT must be positive, got {raw!r}")
     return value
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..wrapping.attribute import ParamAttribute
+from .attribute import ParamAttribute
 from .backend import set_slot
 from .device import DeviceManager
 from .virtual_backend import wait_arrived

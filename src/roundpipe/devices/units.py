@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RoundPipeTypeError, RoundPipeValueError
+
 __all__ = ["parse_bytes", "tensor_bytes"]
 
 _UNITS = {
@@ -29,21 +31,21 @@ def parse_bytes(value: int | float | str, name: str = "value") -> int:
         2048
     """
     if isinstance(value, bool):
-        raise TypeError(f"{name} must be a byte count, got bool")
+        raise RoundPipeTypeError(f"{name} must be a byte count, got bool")
     if isinstance(value, (int, float)):
         if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
+            raise RoundPipeValueError(f"{name} must be positive, got {value}")
         return int(value)
     if not isinstance(value, str):
-        raise TypeError(f"{name} must be int or str, got {type(value).__name__}")
+        raise RoundPipeTypeError(f"{name} must be int or str, got {type(value).__name__}")
     text = value.strip().lower()
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = text[len(num) :].strip()
     if unit not in _UNITS or not num:
-        raise ValueError(f"{name}: cannot parse byte count {value!r}")
+        raise RoundPipeValueError(f"{name}: cannot parse byte count {value!r}")
     result = int(float(num) * _UNITS[unit])
     if result <= 0:
-        raise ValueError(f"{name} must be positive, got {value!r}")
+        raise RoundPipeValueError(f"{name} must be positive, got {value!r}")
     return result
 
 

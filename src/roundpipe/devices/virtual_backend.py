@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..errors import RoundPipeRuntimeError
 from .backend import DeviceBackend, DeviceQueues, GradLanding, Streams, nbytes_of, set_slot
 from .link import CopyEngine, CopyEvent
 
@@ -68,11 +69,11 @@ class CpuEvent(CopyEvent):
         """Milliseconds from this event's completion to ``end_event``'s (both recorded, with
         ``enable_timing=True``); waits for both to complete first."""
         if not (self.enable_timing and getattr(end_event, "enable_timing", False)):
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "elapsed_time needs both events created with CpuEvent(enable_timing=True)"
             )
         if not (self._recorded and end_event._recorded):
-            raise RuntimeError("elapsed_time needs both events recorded (event.record())")
+            raise RoundPipeRuntimeError("elapsed_time needs both events recorded (event.record())")
         self.synchronize()
         end_event.synchronize()
         return (end_event.end - self.end) * 1000.0

@@ -74,8 +74,8 @@ def peft_base_model(model: Any) -> tuple[bool, Any]:
 
 
 def generic_model_types() -> frozenset[str]:
-    """The model types the generic preset takes (:mod:`roundpipe.models.generic`)."""
-    return importlib.import_module("roundpipe.models.generic").GENERIC_MODEL_TYPES
+    """The model types the generic preset takes (:mod:`roundpipe.models.generic_preset`)."""
+    return importlib.import_module("roundpipe.models.generic_preset").GENERIC_MODEL_TYPES
 
 
 def find_preset(model: Any) -> Any | None:
@@ -85,7 +85,7 @@ def find_preset(model: Any) -> Any | None:
     model_type = getattr(getattr(inner, "config", None), "model_type", None)
     if model_type in SUPPORTED_MODELS:
         return importlib.import_module(SUPPORTED_MODELS[model_type])
-    generic = importlib.import_module("roundpipe.models.generic")
+    generic = importlib.import_module("roundpipe.models.generic_preset")
     if model_type in generic.GENERIC_MODEL_TYPES and generic.is_llama_style(inner):
         return generic
     return None
@@ -110,7 +110,7 @@ def wrap_model(model: Any, **roundpipe_kwargs: Any) -> Any:
         raise NotImplementedError(
             f"no RoundPipe preset for model type {model_type!r}; supported: "
             f"{sorted(SUPPORTED_MODELS)} and, through the generic preset, "
-            f"{len(generic_model_types())} Llama-style types (roundpipe.models.generic)"
+            f"{len(generic_model_types())} Llama-style types (roundpipe.models.generic_preset)"
         )
     if preset.MODEL_CLASSES is not None and type(inner).__name__ not in preset.MODEL_CLASSES:
         raise NotImplementedError(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from ..errors import RoundPipeRuntimeError, RoundPipeTypeError
 from ..runtime.batch import merge_microbatches
 from ..runtime.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from ..wrapping.model import RoundPipe
@@ -193,7 +194,7 @@ class CausalLMRoundPipe(RoundPipe):
         run_config: RoundPipeRunConfig | None,
     ) -> Any:
         if not torch.is_grad_enabled():
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "forward_backward needs gradients enabled (called under torch.no_grad)"
             )
         cfg = copy.copy(run_config) if run_config is not None else RoundPipeRunConfig()
@@ -202,7 +203,7 @@ class CausalLMRoundPipe(RoundPipe):
         loss = loss_fn(out, label)
         losses = [loss] if isinstance(loss, torch.Tensor) else list(loss)
         if not all(isinstance(v, torch.Tensor) for v in losses):
-            raise TypeError("loss_fn must return a tensor or a sequence of tensors")
+            raise RoundPipeTypeError("loss_fn must return a tensor or a sequence of tensors")
         torch.autograd.backward([v for v in losses if v.requires_grad])
         total: Any = (
             loss.detach() if isinstance(loss, torch.Tensor) else [v.detach() for v in losses]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import RoundPipeValueError
 from .kernels import call_decoder_layer, prefer_sdpa
 from .loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy_sum, shift_targets
 
@@ -85,7 +86,7 @@ class DecoderEmbed(nn.Module):
         **kwargs: Any,
     ) -> tuple:
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+            raise RoundPipeValueError("pass exactly one of input_ids or inputs_embeds")
         peft_args = sorted(_PEFT_FORWARD_ARGS.intersection(kwargs))
         if peft_args:  # PeftModel.forward would route them to hooks the preset layers bypass
             raise NotImplementedError(

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..errors import RoundPipeValueError
+
 __all__ = ["DEFAULT_CHUNK_SIZE", "linear_cross_entropy_sum", "shift_targets"]
 
 #: Tokens per chunk: 4096 x a 152 K vocabulary is 2.3 GiB of fp32 logits, the largest piece.
@@ -160,11 +162,11 @@ def linear_cross_entropy_sum(
         True
     """
     if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        raise RoundPipeValueError(f"chunk_size must be positive, got {chunk_size}")
     x = hidden.reshape(-1, hidden.shape[-1])
     targets = targets.reshape(-1).to(x.device)
     if targets.shape[0] != x.shape[0]:
-        raise ValueError(f"{targets.shape[0]} targets for {x.shape[0]} hidden states")
+        raise RoundPipeValueError(f"{targets.shape[0]} targets for {x.shape[0]} hidden states")
     chunks = _chunk_rows(targets, ignore_index, chunk_size)
     params = [p for p in head.parameters() if p.requires_grad]
     if not torch.is_grad_enabled() or not (x.requires_grad or params):

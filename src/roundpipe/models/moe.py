@@ -30,6 +30,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+from ..errors import RoundPipeRuntimeError
 from ..runtime.context import doing_recompute, get_recompute_data, save_for_recompute
 from .causal_lm import CausalLMRoundPipe
 from .decoder import DecoderBlock, DecoderHead
@@ -101,7 +102,7 @@ def _router_hook(router: nn.Module, args: Any, output: Any) -> Any:
     if session.replay is not None:
         k = len(session.logits)
         if k >= len(session.replay):
-            raise RuntimeError("a MoE block called its routers more often in recompute")
+            raise RoundPipeRuntimeError("a MoE block called its routers more often in recompute")
         saved = session.replay[k].to(idx.device)
         if rule is not None:
             idx = saved

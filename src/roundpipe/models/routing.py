@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import RoundPipeError
+
 __all__ = [
     "SCORE_RULES",
     "RoutingReplayError",
@@ -39,7 +41,7 @@ __all__ = [
 ScoreFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class RoutingReplayError(RuntimeError):
+class RoutingReplayError(RoundPipeError, RuntimeError):
     """A router's recompute chose other experts than its forward, and no score rule lets
     RoundPipe impose the forward's choice."""
 

@@ -21,8 +21,9 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import Optimizer, ParamsT
 
-from ..wrapping.model import RoundPipeBase
+from ..errors import RoundPipeRuntimeError, RoundPipeTypeError, RoundPipeValueError
 from .builder import OptimBuildError, get_optim_function
+from .owner import OptimCopyOwner
 from .stream import on_optim_stream, synchronize_optim
 
 __all__ = ["Adam", "RoundPipeOptimizer"]
@@ -130,41 +131,41 @@ class Adam(Optimizer):
         # Same checks, same messages and exception types as torch.optim.Adam.
         if isinstance(lr, Tensor):
             if foreach and not capturable:
-                raise ValueError(
+                raise RoundPipeValueError(
                     "lr as a Tensor is not supported for capturable=False and foreach=True"
                 )
             if lr.numel() != 1:
-                raise ValueError("Tensor lr must be 1-element")
+                raise RoundPipeValueError("Tensor lr must be 1-element")
         if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+            raise RoundPipeValueError(f"Invalid learning rate: {lr}")
         if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
+            raise RoundPipeValueError(f"Invalid epsilon value: {eps}")
         if len(betas) != 2:
-            raise ValueError(f"betas must be a pair, got {betas!r}")
+            raise RoundPipeValueError(f"betas must be a pair, got {betas!r}")
         for i, beta in enumerate(betas):
             if isinstance(beta, Tensor):
                 if not capturable and foreach:
-                    raise ValueError(
+                    raise RoundPipeValueError(
                         f"betas[{i}] as a Tensor is not supported for capturable=False and "
                         "foreach=True"
                     )
                 if beta.numel() != 1:
-                    raise ValueError(f"Tensor betas[{i}] must be 1-element")
+                    raise RoundPipeValueError(f"Tensor betas[{i}] must be 1-element")
             if not 0.0 <= beta < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+                raise RoundPipeValueError(f"Invalid beta parameter at index {i}: {beta}")
         if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+            raise RoundPipeValueError(f"Invalid weight_decay value: {weight_decay}")
         if not (
             (isinstance(betas[0], float) and isinstance(betas[1], float))
             or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
         ):
-            raise ValueError("betas must be either both floats or both Tensors")
+            raise RoundPipeValueError("betas must be either both floats or both Tensors")
         if fused and foreach:
-            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+            raise RoundPipeRuntimeError("`fused` and `foreach` cannot be `True` together.")
         if differentiable:
             raise NotImplementedError("roundpipe.optim.Adam does not support differentiable=True")
         if implementation not in ("auto", "cpp", "torch"):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"implementation must be 'auto', 'cpp' or 'torch', got {implementation!r}"
             )
         # torch squeezes 1-element tensor betas to 0-dim; keep the same group layout.
@@ -254,26 +255,28 @@ class Adam(Optimizer):
             True
         """
         if not isinstance(master, Tensor) or not isinstance(shadow, Tensor):
-            raise TypeError("register_shadow expects two tensors")
+            raise RoundPipeTypeError("register_shadow expects two tensors")
         if not any(master is p for g in self.param_groups for p in g["params"]):
-            raise ValueError("register_shadow: master is not a parameter of this optimizer")
+            raise RoundPipeValueError(
+                "register_shadow: master is not a parameter of this optimizer"
+            )
         if shadow.shape != master.shape:
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"register_shadow: shadow shape {tuple(shadow.shape)} != master shape "
                 f"{tuple(master.shape)}"
             )
         if shadow.device != master.device:
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"register_shadow: shadow on {shadow.device}, master on {master.device}"
             )
         if not (shadow.is_floating_point() or shadow.is_complex()) or (
             shadow.is_complex() != master.is_complex()
         ):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"register_shadow: cannot shadow a {master.dtype} master with {shadow.dtype}"
             )
         if shadow.data_ptr() == master.data_ptr() and shadow.numel() > 0:
-            raise ValueError("register_shadow: shadow must not alias the master weight")
+            raise RoundPipeValueError("register_shadow: shadow must not alias the master weight")
         self._shadows[master] = shadow
 
     def unregister_shadow(self, master: Tensor) -> None:
@@ -368,11 +371,11 @@ class Adam(Optimizer):
             if grad is None:
                 continue
             if grad.is_sparse:
-                raise RuntimeError(
+                raise RoundPipeRuntimeError(
                     "Adam does not support sparse gradients, please consider SparseAdam instead"
                 )
             if grad.shape != p.shape:
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"gradient shape {tuple(grad.shape)} does not match parameter shape "
                     f"{tuple(p.shape)}"
                 )
@@ -574,29 +577,31 @@ class RoundPipeOptimizer(Optimizer):
 
     def __init__(
         self,
-        model: RoundPipeBase,
+        model: OptimCopyOwner,
         optimizer: Optimizer,
         *,
         is_async: bool = False,
         scaler: Any = None,
     ) -> None:
-        if not isinstance(model, RoundPipeBase):
-            raise TypeError(
+        if not isinstance(model, OptimCopyOwner):
+            raise RoundPipeTypeError(
                 f"RoundPipeOptimizer: model must be a RoundPipe model (RoundPipe, AutoRoundPipe), "
                 f"got {type(model).__name__}"
             )
         if isinstance(optimizer, RoundPipeOptimizer) or not isinstance(optimizer, Optimizer):
-            raise TypeError(
+            raise RoundPipeTypeError(
                 "RoundPipeOptimizer: optimizer must be a torch.optim.Optimizer over "
                 f"model.optim_parameters(), got {type(optimizer).__name__}"
             )
         if not isinstance(is_async, bool):
-            raise TypeError(f"RoundPipeOptimizer: is_async must be a bool, got {is_async!r}")
+            raise RoundPipeTypeError(
+                f"RoundPipeOptimizer: is_async must be a bool, got {is_async!r}"
+            )
         copies = {id(p) for p in model.optim_parameters()}
         for i, group in enumerate(optimizer.param_groups):
             stray = sum(id(p) not in copies for p in group["params"])
             if stray:
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"RoundPipeOptimizer: param_groups[{i}] holds {stray} tensor(s) that are not "
                     f"optimizer copies of {model.name}; build the optimizer over "
                     "model.optim_parameters(), not model.parameters()"
@@ -625,7 +630,9 @@ class RoundPipeOptimizer(Optimizer):
         return f"RoundPipeOptimizer({self.optimizer!r}, is_async={self.is_async})"
 
     def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("RoundPipeOptimizer cannot be pickled; save optimizer.state_dict() instead")
+        raise RoundPipeTypeError(
+            "RoundPipeOptimizer cannot be pickled; save optimizer.state_dict() instead"
+        )
 
     def _wait(self) -> None:
         """Wait for launched steps, so the inner optimizer may be read or changed here."""
@@ -651,7 +658,7 @@ class RoundPipeOptimizer(Optimizer):
                 ``model.step(...)``): this method runs ``model.step`` itself.
         """
         if on_optim_stream():
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "RoundPipeOptimizer.step() runs model.step() itself: call it from the training "
                 "loop, not inside model.step(...) (use its .optimizer there)"
             )
@@ -689,7 +696,7 @@ class RoundPipeOptimizer(Optimizer):
         params = param_group.get("params")
         params = [params] if isinstance(params, Tensor) else list(params or [])
         if any(id(p) not in copies for p in params):
-            raise ValueError(
+            raise RoundPipeValueError(
                 "RoundPipeOptimizer.add_param_group: the group must hold optimizer copies "
                 "(model.optim_parameters()), not model parameters"
             )

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import RoundPipeError, RoundPipeValueError
+
 __all__ = [
     "OptimBuildError",
     "extension_dir",
@@ -57,7 +59,7 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract
 _LDFLAGS = ["-fopenmp"]
 
 
-class OptimBuildError(RuntimeError):
+class OptimBuildError(RoundPipeError, RuntimeError):
     """The C++ optimizer function could not be built or loaded (no compiler, disabled, ...)."""
 
 
@@ -108,7 +110,7 @@ def _check_enabled() -> None:
 def _source_files(name: str) -> list[Path]:
     source = _CSRC / f"{name}.cpp"
     if not source.is_file():
-        raise ValueError(f"unknown optimizer function {name!r}: no source {source}")
+        raise RoundPipeValueError(f"unknown optimizer function {name!r}: no source {source}")
     return [source]
 
 

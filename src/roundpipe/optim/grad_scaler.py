@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..devices.threads import AnnotatedEvent, wait_until
+from ..errors import RoundPipeRuntimeError, RoundPipeTypeError, RoundPipeValueError
 from .stream import (
     launch_optim_kernel,
     on_optim_stream,
@@ -82,7 +83,7 @@ class GradScaler:
         enabled: bool = True,
     ) -> None:
         if init_scale <= 0:
-            raise ValueError(f"init_scale must be positive, got {init_scale}")
+            raise RoundPipeValueError(f"init_scale must be positive, got {init_scale}")
         _check_growth_factor(growth_factor)
         _check_backoff_factor(backoff_factor)
         _check_growth_interval(growth_interval)
@@ -166,15 +167,17 @@ class GradScaler:
             4096.0
         """
         if not isinstance(is_async, bool):
-            raise TypeError(f"is_async must be a bool, got {type(is_async).__name__}")
+            raise RoundPipeTypeError(f"is_async must be a bool, got {type(is_async).__name__}")
         if not self.enabled:
             return
         if new_scale is not None and (
             isinstance(new_scale, bool) or not isinstance(new_scale, (float, int, torch.Tensor))
         ):
-            raise TypeError(f"new_scale must be a float or tensor, got {type(new_scale).__name__}")
+            raise RoundPipeTypeError(
+                f"new_scale must be a float or tensor, got {type(new_scale).__name__}"
+            )
         if on_optim_stream():
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "GradScaler.update() must be called from the main thread, after model.step(...) "
                 "returned, not inside the step function (which runs on the optimizer thread)"
             )
@@ -198,7 +201,7 @@ class GradScaler:
             synchronize_optim()
             return
         if id(optimizer) in self._unscaled:
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "unscale_() has already been called on this optimizer since the last update()"
             )
         inv = 1.0 / self._optim_scale
@@ -369,21 +372,21 @@ def _multiply(outputs: torch.Tensor | Iterable[torch.Tensor], s: float) -> Any:
         return outputs * s
     if isinstance(outputs, (list, tuple)):
         return type(outputs)(_multiply(o, s) for o in outputs)
-    raise TypeError(
+    raise RoundPipeTypeError(
         f"outputs must be a tensor or a list/tuple of tensors, got {type(outputs).__name__}"
     )
 
 
 def _check_growth_factor(value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 1.0:
-        raise ValueError(f"growth_factor must be a number > 1.0, got {value!r}")
+        raise RoundPipeValueError(f"growth_factor must be a number > 1.0, got {value!r}")
 
 
 def _check_backoff_factor(value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < 1.0:
-        raise ValueError(f"backoff_factor must be a number in (0, 1), got {value!r}")
+        raise RoundPipeValueError(f"backoff_factor must be a number in (0, 1), got {value!r}")
 
 
 def _check_growth_interval(value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"growth_interval must be a positive int, got {value!r}")
+        raise RoundPipeValueError(f"growth_interval must be a positive int, got {value!r}")

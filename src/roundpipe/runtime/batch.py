@@ -32,6 +32,7 @@ from torch.distributed.pipelining.microbatch import (
 
 from ..devices.threads import RunState, wait_event
 from ..devices.virtual_backend import CpuEvent
+from ..errors import RoundPipeError, RoundPipeTypeError, RoundPipeValueError
 from .split_spec import _is_spec_leaf, check_spec, is_spec
 
 if TYPE_CHECKING:
@@ -58,14 +59,14 @@ __all__ = [
 REPLICATE = _Replicate()
 
 
-class MicrobatchSplitError(TypeError, AssertionError):
+class MicrobatchSplitError(RoundPipeError, TypeError, AssertionError):
     """A custom ``split_input`` / ``split_label`` callable returned a malformed structure.
 
     A ``TypeError``; also an ``AssertionError``, the error seed 004 names for this case.
     """
 
 
-class MicrobatchMergeError(ValueError):
+class MicrobatchMergeError(RoundPipeError, ValueError):
     """Per-microbatch outputs that no merge rule turns into one value: a non-tensor (or a
     ``_Replicate`` leaf) that differs between microbatches, outputs of different structures,
     a tensor beside a non-tensor at one position. The message names the output path.
@@ -84,7 +85,7 @@ def _check_event(event: Any, what: str) -> None:
     if event is None or isinstance(event, threading.Event):
         return
     if not callable(getattr(event, "synchronize", None)):
-        raise TypeError(
+        raise RoundPipeTypeError(
             f"{what} must be None or an event with synchronize() (a CUDA / torch event, a "
             f"roundpipe CopyEvent) or a threading.Event, got {type(event).__name__}"
         )
@@ -141,7 +142,7 @@ class RoundPipePackedData(list):
     def __init__(self, data: list[Any], transfer_event: list[Any]) -> None:
         super().__init__(data)
         if not isinstance(transfer_event, (list, tuple)) or len(transfer_event) != len(self):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"transfer_event must be a list with one (forward_event, backward_event) per "
                 f"microbatch ({len(self)}), got {transfer_event!r}"
             )
@@ -149,7 +150,7 @@ class RoundPipePackedData(list):
         for m, ev in enumerate(transfer_event):
             pair = (None, None) if ev is None else ev
             if not isinstance(pair, (tuple, list)) or len(pair) != 2:
-                raise TypeError(
+                raise RoundPipeTypeError(
                     f"transfer_event[{m}] must be None or a (forward_event, backward_event) "
                     f"pair, got {ev!r}"
                 )
@@ -253,14 +254,14 @@ def _broadcast_spec(spec: Any, data: Any, name: str, for_merge: bool, path: str 
     if _is_spec_leaf(spec, for_merge):
         return [spec] * _num_leaves(data)
     if _is_leaf(data) or pytree.tree_structure(data, is_leaf=_is_leaf).is_leaf():
-        raise ValueError(
+        raise RoundPipeValueError(
             f"{name}: the spec has a {type(spec).__name__} at {where} where the data has a "
             f"{type(data).__name__}; the spec must mirror the data structure"
         )
     out: list[Any] = []
     if isinstance(spec, Mapping) and isinstance(data, Mapping):
         if set(spec) != set(data):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"{name}: the spec's keys at {where} are {sorted(map(str, spec))} but the data's "
                 f"are {sorted(map(str, data))}"
             )
@@ -269,7 +270,7 @@ def _broadcast_spec(spec: Any, data: Any, name: str, for_merge: bool, path: str 
         return out
     if isinstance(spec, (list, tuple)) and isinstance(data, (list, tuple)):
         if len(spec) != len(data):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"{name}: the spec has {len(spec)} entries at {where} but the data has "
                 f"{len(data)}; the spec must mirror the data structure"
             )
@@ -284,7 +285,7 @@ def _broadcast_spec(spec: Any, data: Any, name: str, for_merge: bool, path: str 
             for i, (s, d) in enumerate(zip(s_children, d_children)):
                 out += _broadcast_spec(s, d, name, for_merge, f"{path}.<{i}>")
             return out
-    raise ValueError(
+    raise RoundPipeValueError(
         f"{name}: the spec has a {type(spec).__name__} at {where} where the data has a "
         f"{type(data).__name__}; the spec must mirror the data structure"
     )
@@ -380,24 +381,24 @@ def split_by_spec(
         where = paths[j] if paths is not None else f"leaf {j}"
         if isinstance(leaf, RoundPipePackedData):
             if len(leaf) != n:
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"{where}: packed data has {len(leaf)} microbatches but {n} are in use"
                 )
             for i in range(n):
                 per_mb[i].append(leaf[i])
         elif isinstance(s, TensorChunkSpec) and not _replicated_anyway(leaf):
             if not isinstance(leaf, torch.Tensor):
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"{where}: cannot split a {type(leaf).__name__} with {s}; mark it "
                     "_Replicate (or None) in the spec"
                 )
             dim = s.split_dim
             if not -leaf.ndim <= dim < leaf.ndim:
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"{where}: cannot split a tensor of shape {tuple(leaf.shape)} with {s}"
                 )
             if leaf.shape[dim] < n:
-                raise ValueError(
+                raise RoundPipeValueError(
                     f"{where}: cannot split a tensor with size {leaf.shape[dim]} on dim "
                     f"{dim} into {n} microbatches"
                 )
@@ -495,7 +496,7 @@ def _split(
     if packed:
         n = len(packed[0])
         if any(len(p) != n for p in packed):
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"packed inputs hold different numbers of microbatches: {[len(p) for p in packed]}"
             )
         reason = f"the packed input holds {n} microbatches"
@@ -747,9 +748,9 @@ def merge_microbatches(
         torch.Size([2, 2])
     """
     if not outputs:
-        raise ValueError("merge_microbatches needs at least one microbatch output")
+        raise RoundPipeValueError("merge_microbatches needs at least one microbatch output")
     if rows is not None and len(rows) != len(outputs):
-        raise ValueError(f"rows has {len(rows)} entries for {len(outputs)} microbatches")
+        raise RoundPipeValueError(f"rows has {len(rows)} entries for {len(outputs)} microbatches")
     # equal sizes keep the plain mean (bit for bit what an unweighted merge gives)
     weights = None if rows is None or len(set(rows)) <= 1 else [float(r) for r in rows]
     flat = [pytree.tree_flatten(o) for o in outputs]
@@ -793,7 +794,7 @@ def pack_microbatches(outputs: Sequence[Any], transfer_event: list[Any]) -> Any:
     treespec = flat[0][1]
     for m, (_, s) in enumerate(flat[1:], 1):
         if s != treespec:
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"merge_output=False: microbatch {m}'s output structure differs from microbatch "
                 f"0's ({s} vs {treespec}); it cannot be packed leaf by leaf"
             )

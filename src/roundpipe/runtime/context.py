@@ -10,6 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..errors import RoundPipeError
+
 __all__ = [
     "ForwardCtx",
     "OptimizerCtx",
@@ -102,7 +104,7 @@ def doing_recompute() -> bool:
     return bool(_stack("recompute"))
 
 
-class RecomputeDataError(AssertionError, RuntimeError):
+class RecomputeDataError(RoundPipeError, AssertionError, RuntimeError):
     """:func:`get_recompute_data` called where there is nothing to get.
 
     An ``AssertionError``, as the user guide documents, and a ``RuntimeError``, as this

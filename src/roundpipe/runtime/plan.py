@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from ..devices.device import get_devices, get_min_gpu_memory, get_num_devices
 from ..devices.threads import RoundPipeAborted, RunState, wait_until
+from ..errors import RoundPipeError, RoundPipeValueError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..wrapping.attribute import LayerAttribute
+    from ..devices.attribute import LayerAttribute
     from .timer import ModelTimer
 
 __all__ = [
@@ -47,7 +48,7 @@ _RUN_TYPES = ("infer", "train", "fused")
 
 def _check_run_type(run_type: str) -> None:
     if run_type not in _RUN_TYPES:
-        raise ValueError(f"run_type must be one of {_RUN_TYPES}, got {run_type!r}")
+        raise RoundPipeValueError(f"run_type must be one of {_RUN_TYPES}, got {run_type!r}")
 
 
 def _greedy(
@@ -85,10 +86,10 @@ def partition_layers(
     """
     n = len(times)
     if n == 0:
-        raise ValueError("cannot partition a model with no layers")
+        raise RoundPipeValueError("cannot partition a model with no layers")
     for i, s in enumerate(sizes):
         if s > 2 * mem_cap:
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"layer {i} needs {s:.0f} bytes, more than model_memory_limit allows "
                 f"({2 * mem_cap:.0f}); "
                 "raise model_memory_limit or split the layer"
@@ -383,7 +384,7 @@ def _weigh_transfers(
     return best
 
 
-class InvalidPlanError(ValueError):
+class InvalidPlanError(RoundPipeError, ValueError):
     """An execution plan that does not fit the model it runs (see
     :meth:`ModelExecutePlan.check_valid`)."""
 
@@ -477,15 +478,17 @@ class ModelExecutePlan:
         """
         _check_run_type(run_type)
         if not models:
-            raise ValueError("ModelExecutePlan.auto needs at least one model")
+            raise RoundPipeValueError("ModelExecutePlan.auto needs at least one model")
         if not upper_threshold >= 1.0:
-            raise ValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
+            raise RoundPipeValueError(f"upper_threshold must be >= 1.0, got {upper_threshold}")
         min_stages = get_num_devices() if min_stages is None else min_stages
         if not isinstance(min_stages, int) or min_stages < 1:
-            raise ValueError(f"min_stages must be a positive int, got {min_stages!r}")
+            raise RoundPipeValueError(f"min_stages must be a positive int, got {min_stages!r}")
         limit_gb = get_min_gpu_memory() * 0.6 if model_memory_limit is None else model_memory_limit
         if limit_gb <= 0:
-            raise ValueError(f"model_memory_limit must be positive, got {model_memory_limit}")
+            raise RoundPipeValueError(
+                f"model_memory_limit must be positive, got {model_memory_limit}"
+            )
         mem_cap = limit_gb * (1024**3) / 2
         timed = all(m.model_timer.get_estimate(run_type)[0] == "time" for m in models)
         ests = [_estimates(m, run_type, timed) for m in models]

@@ -48,6 +48,7 @@ from ..devices.transfer import (
     prefetch_h2d,
     upload_layers,
 )
+from ..errors import RoundPipeRuntimeError, RoundPipeTypeError, RoundPipeValueError
 from .activations import ActivationAccount, accounting_enabled
 from .batch import Batch
 from .context import ForwardCtx, RecomputeCtx
@@ -131,10 +132,10 @@ class RoundPipeRunContext:
         """Keep ``data`` (moved to host) for the recompute of ``layer_id``."""
         for x in pytree.tree_leaves(data):
             if isinstance(x, torch.Tensor) and x.requires_grad:
-                raise ValueError("save_for_recompute: saved tensors must not require grad")
+                raise RoundPipeValueError("save_for_recompute: saved tensors must not require grad")
         with self._lock:
             if layer_id in self.recompute_data:
-                raise RuntimeError(f"save_for_recompute called twice by layer {layer_id}")
+                raise RoundPipeRuntimeError(f"save_for_recompute called twice by layer {layer_id}")
             leaves, spec = pytree.tree_flatten(data)
             self.recompute_data[layer_id] = pytree.tree_unflatten(_to_host(device, leaves), spec)
 
@@ -596,7 +597,7 @@ def _backward(outputs: Sequence[Any], grads: Sequence[Any] | None) -> None:
     if grads is None:
         return
     if len(outputs) != len(grads):
-        raise RuntimeError(
+        raise RoundPipeRuntimeError(
             f"backward got {len(grads)} gradients for {len(outputs)} stage outputs; "
             "a layer's output structure changed between forward and recompute"
         )
@@ -792,7 +793,7 @@ def run_forward_backward(device: DeviceManager, run: RoundPipeRun) -> None:
                 loss = loss_fn(out, label)
             losses = [loss] if isinstance(loss, torch.Tensor) else list(loss)
             if not all(isinstance(v, torch.Tensor) for v in losses):
-                raise TypeError("loss_fn must return a tensor or a sequence of tensors")
+                raise RoundPipeTypeError("loss_fn must return a tensor or a sequence of tensors")
             torch.autograd.backward([v for v in losses if v.requires_grad])
             run.batch.loss_list[m] = (
                 [v.detach().to("cpu") for v in losses]
@@ -839,7 +840,7 @@ class RoundPipeBatchedBackward(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Any) -> tuple:
         run: RoundPipeRun | None = ctx.run
         if run is None:
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "RoundPipe does not support backward through the same forward twice; "
                 "call forward again (retain_graph is not supported)"
             )

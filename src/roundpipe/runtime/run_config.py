@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 
 from ..devices.device import get_num_devices
+from ..errors import RoundPipeTypeError, RoundPipeValueError
 from .plan import ModelExecutePlan
 from .split_spec import check_spec, is_spec
 
@@ -78,20 +79,26 @@ class RoundPipeRunConfig:
             ("preserve_rng_state", preserve_rng_state),
         ):
             if value is not None and not isinstance(value, bool):
-                raise TypeError(f"{name} must be bool or None, got {type(value).__name__}")
+                raise RoundPipeTypeError(f"{name} must be bool or None, got {type(value).__name__}")
         if recompute_grain is not None and recompute_grain not in ("stage", "layer"):
-            raise ValueError(f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}")
+            raise RoundPipeValueError(
+                f"recompute_grain must be 'stage' or 'layer', got {recompute_grain!r}"
+            )
         if num_microbatch is not None and (
             not isinstance(num_microbatch, int)
             or isinstance(num_microbatch, bool)
             or num_microbatch < 1
         ):
-            raise ValueError(f"num_microbatch must be a positive int, got {num_microbatch!r}")
+            raise RoundPipeValueError(
+                f"num_microbatch must be a positive int, got {num_microbatch!r}"
+            )
         if output_device is not None:
             try:
                 output_device = torch.device(output_device)
             except (RuntimeError, TypeError) as e:
-                raise ValueError(f"output_device is not a device: {output_device!r}") from e
+                raise RoundPipeValueError(
+                    f"output_device is not a device: {output_device!r}"
+                ) from e
         if not isinstance(merge_output, bool) and is_spec(merge_output, for_merge=True):
             check_spec(merge_output, "merge_output", for_merge=True)
         for name, spec in (("split_input", split_input), ("split_label", split_label)):
@@ -99,7 +106,7 @@ class RoundPipeRunConfig:
                 check_spec(spec, name)
         if execute_plan is not None:
             if not isinstance(execute_plan, ModelExecutePlan):
-                raise TypeError(
+                raise RoundPipeTypeError(
                     f"execute_plan must be a ModelExecutePlan, got {type(execute_plan).__name__}"
                 )
         self.requires_grad = requires_grad
@@ -143,7 +150,9 @@ class FullRoundPipeRunConfig:
             ("model_run_config", model_run_config),
         ):
             if not isinstance(cfg, RoundPipeRunConfig):
-                raise TypeError(f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}")
+                raise RoundPipeTypeError(
+                    f"{name} must be a RoundPipeRunConfig, got {type(cfg).__name__}"
+                )
         for k in _FIELDS:
             v = getattr(function_run_config, k)
             setattr(self, k, v if v is not None else getattr(model_run_config, k))

@@ -13,6 +13,8 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _CustomReducer, _Replicate
 
+from ..errors import RoundPipeTypeError
+
 __all__ = ["check_spec", "is_spec"]
 
 
@@ -35,7 +37,7 @@ def check_spec(spec: Any, name: str, for_merge: bool = False) -> None:
         >>> check_spec(("cat",), "merge_output", True)
         Traceback (most recent call last):
         ...
-        TypeError: merge_output: a spec leaf must be TensorChunkSpec, _Replicate, None or a reducer (sum_reducer, avg_reducer), got 'cat'
+        roundpipe.errors.RoundPipeTypeError: merge_output: a spec leaf must be TensorChunkSpec, _Replicate, None or a reducer (sum_reducer, avg_reducer), got 'cat'
     """
     leaves = pytree.tree_leaves(spec, is_leaf=lambda x: _is_spec_leaf(x, for_merge))
     allowed = "TensorChunkSpec, _Replicate, None or a reducer (sum_reducer, avg_reducer)"
@@ -43,7 +45,7 @@ def check_spec(spec: Any, name: str, for_merge: bool = False) -> None:
         allowed = "TensorChunkSpec, _Replicate, None or an int (the split dim)"
     for leaf in leaves:
         if not _is_spec_leaf(leaf, for_merge):
-            raise TypeError(f"{name}: a spec leaf must be {allowed}, got {leaf!r}")
+            raise RoundPipeTypeError(f"{name}: a spec leaf must be {allowed}, got {leaf!r}")
 
 
 def is_spec(value: Any, for_merge: bool = False) -> bool:

@@ -10,9 +10,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..devices.attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
 from ..devices.device import get_devices
 from ..devices.pinning import pin_module
+from ..errors import RoundPipeRuntimeError, RoundPipeTypeError, RoundPipeValueError
 from ..optim.grad_scaler import snapshot_scalers
+from ..optim.owner import OptimCopyOwner
 from ..optim.stream import (
     launch_optim_kernel,
     on_optim_stream,
@@ -25,7 +28,6 @@ from ..runtime.plan import ModelExecutePlan
 from ..runtime.run import RoundPipeBatchedBackward, RoundPipeRun
 from ..runtime.run_config import FullRoundPipeRunConfig, RoundPipeRunConfig
 from ..runtime.timer import ModelTimer
-from .attribute import LayerAttribute, ParamAttribute, make_layer_attribute, unique_params
 from .sizes import get_call_location, get_model_active_size, get_model_size
 
 __all__ = ["AutoRoundPipe", "RoundPipe", "RoundPipeBase"]
@@ -53,7 +55,7 @@ def _clear_grad(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
-class RoundPipeBase(nn.Module):
+class RoundPipeBase(OptimCopyOwner):
     """Optimizer-copy management, asynchronous ``step`` and attribute shim shared by
     :class:`RoundPipe` and :class:`AutoRoundPipe`."""
 
@@ -61,9 +63,9 @@ class RoundPipeBase(nn.Module):
         self, model: nn.Module, name: str | None = None, optim_dtype: torch.dtype | None = None
     ) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            raise RoundPipeTypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if optim_dtype is not None and not isinstance(optim_dtype, torch.dtype):
-            raise TypeError(f"optim_dtype must be a torch.dtype, got {optim_dtype!r}")
+            raise RoundPipeTypeError(f"optim_dtype must be a torch.dtype, got {optim_dtype!r}")
         super().__init__()
         self.model = model
         self.name = name or get_call_location(2)
@@ -294,7 +296,7 @@ class RoundPipeBase(nn.Module):
             >>> rp.step(lambda: (opt.step(), opt.zero_grad()), is_async=False)
         """
         if not callable(step_fn):
-            raise TypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
+            raise RoundPipeTypeError(f"step_fn must be callable, got {type(step_fn).__name__}")
         raise_pending_error()
         launches = [(a, *a.launch_step(flush_now=not is_async)) for a in self._all_layer_attrs()]
         restore_scalers = snapshot_scalers()
@@ -368,21 +370,23 @@ class RoundPipe(RoundPipeBase):
         super().__init__(model, name=name, optim_dtype=optim_dtype)
         model_run_config = RoundPipeRunConfig() if model_run_config is None else model_run_config
         if not isinstance(model_run_config, RoundPipeRunConfig):
-            raise TypeError(
+            raise RoundPipeTypeError(
                 "model_run_config must be a RoundPipeRunConfig, got "
                 f"{type(model_run_config).__name__}"
             )
         if pin_model not in ("alloc", "register", "off"):
-            raise ValueError(f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}")
+            raise RoundPipeValueError(
+                f"pin_model must be 'alloc', 'register' or 'off', got {pin_model!r}"
+            )
         if layers is None:
             layer_list = list(model) if isinstance(model, nn.Sequential) else [model]
         else:
             layer_list = list(layers)
             bad = [type(x).__name__ for x in layer_list if not isinstance(x, nn.Module)]
             if bad:
-                raise TypeError(f"layers must all be nn.Module, got {bad}")
+                raise RoundPipeTypeError(f"layers must all be nn.Module, got {bad}")
         if not layer_list:
-            raise ValueError("layers must not be empty")
+            raise RoundPipeValueError("layers must not be empty")
         self.model_run_config = model_run_config
         object.__setattr__(
             self, "layers", layer_list
@@ -448,7 +452,7 @@ class RoundPipe(RoundPipeBase):
             _activations_landed()
             return batch.dump(cfg, [pytree.tree_unflatten(s[0], s[1]) for s in run.states])
         if not torch.is_grad_enabled():
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "requires_grad=True in the run config but gradients are disabled "
                 "(torch.no_grad); enable grad or set requires_grad=False"
             )
@@ -497,13 +501,15 @@ class RoundPipe(RoundPipeBase):
             ...     loss_fn=lambda out, lab: nn.functional.mse_loss(out, lab) / 2)
         """
         if not isinstance(input_args, tuple):
-            raise TypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
+            raise RoundPipeTypeError(f"input_args must be a tuple, got {type(input_args).__name__}")
         if input_kwargs is not None and not isinstance(input_kwargs, dict):
-            raise TypeError(f"input_kwargs must be a dict, got {type(input_kwargs).__name__}")
+            raise RoundPipeTypeError(
+                f"input_kwargs must be a dict, got {type(input_kwargs).__name__}"
+            )
         if not callable(loss_fn):
-            raise TypeError("loss_fn must be callable")
+            raise RoundPipeTypeError("loss_fn must be callable")
         if not torch.is_grad_enabled():
-            raise RuntimeError(
+            raise RoundPipeRuntimeError(
                 "forward_backward needs gradients enabled (called under torch.no_grad)"
             )
         raise_pending_error()
@@ -513,7 +519,7 @@ class RoundPipe(RoundPipeBase):
         if batch.num_microbatch != cfg.num_microbatch:
             # loss_fn sees one microbatch and cannot know the real count: a loss divided by the
             # configured num_microbatch would silently scale the gradients. Refuse instead.
-            raise ValueError(
+            raise RoundPipeValueError(
                 f"{self.name}: forward_backward with num_microbatch={cfg.num_microbatch}, but "
                 f"{batch.count_mismatch}, so only {batch.num_microbatch} microbatches can be "
                 f"made; loss_fn runs once per microbatch and the losses are summed, so a loss "

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from ..devices.device import get_num_devices
+from ..errors import RoundPipeTypeError, RoundPipeValueError
 from ..models import find_preset, wrap_model
 from ..runtime.run_config import RoundPipeRunConfig
 from .model import AutoRoundPipe, RoundPipe, RoundPipeBase
@@ -106,16 +107,16 @@ def wrap_model_to_roundpipe(
         3
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        raise RoundPipeTypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if use_sequential_preset not in (None, True, False):
-        raise TypeError(
+        raise RoundPipeTypeError(
             f"use_sequential_preset must be None or a bool, got {use_sequential_preset!r}"
         )
     model_run_config = model_run_config or RoundPipeRunConfig()
     name = name or get_call_location(1)
     if layers is None and get_model_size(model) == 0:
         what = "has no layers" if not list(model.children()) else "has no parameters or buffers"
-        raise ValueError(
+        raise RoundPipeValueError(
             f"wrap_model_to_roundpipe: the model ({type(model).__name__}) {what}, so RoundPipe "
             "has nothing to stream to the devices or train; wrap a model that has parameters"
         )
@@ -131,7 +132,7 @@ def wrap_model_to_roundpipe(
     if upper_threshold is None:
         upper_threshold = max(get_model_size(model) // (get_num_devices() + 1), 1)
     if lower_threshold < 0 or upper_threshold < lower_threshold:
-        raise ValueError(
+        raise RoundPipeValueError(
             "need 0 <= lower_threshold <= upper_threshold, got "
             f"{lower_threshold}, {upper_threshold}"
         )

@@ -37,7 +37,7 @@ from .io import (
     save_checkpoint,
     save_tree,
 )
-from .layout import full_state_dict, model_layout
+from .model_layout import full_state_dict, model_layout
 
 __all__ = [
     "FORMAT",

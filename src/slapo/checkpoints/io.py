@@ -37,7 +37,7 @@ from .format import (
     save_file,
     write_json,
 )
-from .layout import (
+from .model_layout import (
     agree,
     all_gather_json,
     model_layout,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .format import CheckpointError, jsonable
-from .layout import ModelLayout
+from .model_layout import ModelLayout
 
 __all__ = ["OptimizerView", "TorchOptimizerView", "ZeroOptimizerView", "optimizer_view"]
 

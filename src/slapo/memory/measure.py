@@ -36,7 +36,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["EngineBytes", "LiveSaved"]
+from ..exceptions import SlapoError
+
+__all__ = ["EngineBytes", "LiveSaved", "MeasureError"]
+
+
+class MeasureError(SlapoError, RuntimeError):
+    """A measurement used out of order (e.g. a :class:`LiveSaved` entered twice)."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +126,7 @@ class LiveSaved:
 
     def __enter__(self) -> LiveSaved:
         if self._hooks is not None:
-            raise RuntimeError("LiveSaved is already entered")
+            raise MeasureError("LiveSaved is already entered; exit it before entering it again")
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self

@@ -26,9 +26,9 @@ from . import (  # noqa: F401  (registration)
     t5,
     wideresnet,  # noqa: F401  (registration)
 )
-from .generic import GENERIC_KNOBS, find_blocks, infer_plan
+from .generic_plan import GENERIC_KNOBS, find_blocks, infer_plan
 from .knobs import ATTN_OPS, CKPT_POLICIES, CPU_DEFAULTS, LAYOUT_KNOBS, Knobs, recommended_knobs
-from .registry import (
+from .schedule_registry import (
     apply_schedule,
     family_limits,
     get_schedule,

@@ -7,7 +7,7 @@ from ..schedule import Schedule
 from .fusion import fuse_bias_dropout_residual, fuse_bias_gelu
 from .helpers import apply_shared_knobs, blocks, require
 from .knobs import Knobs
-from .registry import register_schedule
+from .schedule_registry import register_schedule
 from .tp_plan import TPPlan, apply_tp_plan
 
 
@@ -18,7 +18,7 @@ def bert_plan(prefix: str) -> TPPlan:
 
     Example:
         >>> bert_plan("bert.").styles["bert.encoder.layer.*.intermediate.dense"]
-        'colwise'
+        Colwise()
     """
     layer = f"{prefix}encoder.layer.*"
     return TPPlan(

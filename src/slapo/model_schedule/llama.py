@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..schedule import Schedule
 from .helpers import apply_shared_knobs, blocks, per_head_norms
 from .knobs import Knobs
-from .registry import register_schedule
+from .schedule_registry import register_schedule
 from .tp_plan import TPPlan, apply_tp_plan
 
 #: Megatron's plan: q/k/v (Qwen2 gives them a bias) and gate/up split by columns, the outputs by

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..schedule import Schedule
 from .helpers import apply_shared_knobs, blocks
 from .knobs import Knobs
-from .registry import register_schedule
+from .schedule_registry import register_schedule
 from .tp_plan import TPPlan, apply_tp_plan
 
 #: fc1/fc2 live in the decoder layer itself: fc1 is entered on its own. OPT's attention keeps

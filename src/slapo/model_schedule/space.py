@@ -10,7 +10,7 @@ import torch
 from ..tune import Space
 from ..tune.launch import expert_sizes
 from .knobs import CKPT_POLICIES
-from .registry import family_limits
+from .schedule_registry import family_limits
 
 __all__ = ["layout_space", "tuning_space", "update_space"]
 

@@ -1,32 +1,39 @@
-"""Tensor-parallel plans as data: module-path patterns mapped to parallel styles, applied by one
-function through the ``shard`` and ``sync`` primitives.
+"""Tensor-parallel plans as data: module-path patterns mapped to parallel styles
+(:mod:`~slapo.model_schedule.tp_styles`), applied by one function through the ``shard`` and
+``sync`` primitives.
 
 A plan reads like Hugging Face's ``base_model_tp_plan`` (and is translated from it, see
 :func:`from_hf_plan`): ``"model.layers.*.self_attn.q_proj": "colwise"``; ``*`` matches one path
-component. The styles:
+component. A plan holds style values (a name is read into its value); it prints as the code that
+makes it and round-trips through JSON (:meth:`TPPlan.to_json`, :meth:`TPPlan.from_json`). The
+styles, one class each in ``tp_styles``:
 
-==================  =========================================================================
-``colwise``         split the output features (and the bias); a 3-D expert weight
-                    ``[experts, out, in]`` splits ``out``
-``packed_colwise``  ``colwise`` of a weight holding two packed projections (gate and up):
-                    each half is split on its own
-``rowwise``         split the input features; the output is all-reduced (reduce-scattered over
-                    the sequence under sequence parallelism); a 3-D expert weight splits ``in``
-``colwise_gather``  ``colwise`` whose output is gathered again: what follows sees whole features
-                    (fused or interleaved projections, norms over the whole width)
-``rowwise_split``   ``rowwise`` that takes this rank's slice of a whole input first
-``replicated_grad`` stays whole; its gradient is summed over the group (a norm over each
-                    attention head between the column and the row projections)
-``vocab_embedding`` an embedding split over the vocabulary; a head tied to it gathers its logits
-``experts``         a mixture of experts whose expert weights are split: its output is
-                    all-reduced, and so is the gradient of each of its inputs (the hidden
-                    states and the routing weights)
-``packed_rowwise``  an expert weight stored ``[experts, in, out]`` with gate and up packed
-                    along ``out``: each half split on its own (Llama 4)
+==================== ==========================================================================
+``colwise``          split the output features (and the bias); a 3-D expert weight
+                     ``[experts, out, in]`` splits ``out``
+``packed_colwise``   ``colwise`` of a weight holding ``parts`` packed projections (gate and up;
+                     GPT-2's q/k/v: ``parts=3``): each is split on its own
+``colwise_cross``    ``colwise`` whose input comes from outside the region (T5's cross
+                     attention k and v): that input's gradient is all-reduced at it
+``rowwise``          split the input features; the output is all-reduced (reduce-scattered over
+                     the sequence under sequence parallelism); a 3-D expert weight splits ``in``
+``colwise_gather``   ``colwise`` whose output is gathered again: what follows sees whole
+                     features (fused or interleaved projections, norms over the whole width)
+``rowwise_split``    ``rowwise`` that takes this rank's slice of a whole input first
+``replicated_grad``  stays whole; its gradient is summed over the group (a norm over each
+                     attention head between the column and the row projections)
+``vocab_embedding``  an embedding split over the vocabulary; a head tied to it gathers its logits
+``relative_bias``    an embedding over the attention heads (T5's relative position bias), split
+                     with them
+``experts``          a mixture of experts whose expert weights are split: its output is
+                     all-reduced, and so is the gradient of each of its inputs (the hidden
+                     states and the routing weights)
+``packed_rowwise``   an expert weight stored ``[experts, in, out]`` with gate and up packed
+                     along ``out``: each half split on its own (Llama 4)
 ``embedding_colwise`` an embedding split over its features, gathered again
-``reduced``         Hugging Face's ``all_reduce`` of a module: its rowwise projection reduces
-``local``           a marker of Hugging Face's (``local_params``, ``replicate``): nothing to do
-==================  =========================================================================
+``reduced``          Hugging Face's ``all_reduce`` of a module: its rowwise projection reduces
+``local``            a marker of Hugging Face's (``local_params``, ``replicate``): nothing to do
+==================== ==========================================================================
 
 A *region* is the module around ``colwise`` and ``rowwise`` projections (an attention or an
 MLP): the gradient of its input is all-reduced (Megatron's ``f``), and every parameter of it
@@ -37,13 +44,21 @@ right for every model, not only for those whose replicated parameters someone li
 Example:
     >>> plan = TPPlan({"model.layers.*.mlp.up_proj": "colwise",
     ...                "model.layers.*.mlp.down_proj": "rowwise"})
-    >>> applied = apply_tp_plan(sch, plan)          # sch created with group=
-    >>> applied.regions[:1]
+    >>> plan
+    TPPlan({
+        'model.layers.*.mlp.up_proj': Colwise(),
+        'model.layers.*.mlp.down_proj': Rowwise(),
+    })
+    >>> TPPlan.from_json(plan.to_json()) == plan
+    True
+    >>> # illustration: sch is a schedule created with group= (see apply_tp_plan)
+    >>> apply_tp_plan(sch, plan).regions[:1]  # doctest: +SKIP
     ['model.layers.0.mlp']
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -57,62 +72,23 @@ from ..schedule import Schedule
 from ..sharding import get_shard_spec
 from ..sharding.rules import is_norm
 from ..surgery import is_conv1d
-from .helpers import column, divide_attrs, enter, replicated, row, tp_size
+from .helpers import divide_attrs, enter, replicated, tp_size
+from .tp_styles import HF_STYLES, REGISTRY, Style, TPStyleError, parse_style
 
 __all__ = ["STYLES", "HF_STYLES", "TPPlan", "AppliedPlan", "apply_tp_plan", "from_hf_plan"]
 
-STYLES = (
-    "colwise",
-    "packed_colwise",
-    "rowwise",
-    "packed_rowwise",
-    "colwise_gather",
-    "rowwise_split",
-    "replicated_grad",
-    "vocab_embedding",
-    "embedding_colwise",
-    "experts",
-    "reduced",
-    "local",
-)
-
-#: Hugging Face's ``base_model_tp_plan`` style names and ours.
-HF_STYLES = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "packed_colwise": "packed_colwise",
-    "colwise_gather_output": "colwise_gather",
-    "rowwise_split_input": "rowwise_split",
-    "replicated_with_grad_allreduce": "replicated_grad",
-    "embedding_rowwise": "vocab_embedding",
-    "moe_tp_experts": "experts",
-    # DeepSeek's latent K/V projection stays whole and feeds the sharded heads
-    "mla_kv_a_proj": "replicated_grad",
-    "packed_rowwise": "packed_rowwise",
-    "embedding_colwise": "embedding_colwise",
-    "all_reduce": "reduced",
-    # markers for Hugging Face's DTensor bookkeeping: the parameters stay as the entries say
-    "local_params": "local",
-    "replicate": "local",
-}
+#: The names of the styles (a plan may write a style by its name).
+STYLES = tuple(REGISTRY)
 
 #: Names of projections that pack several in one weight (q/k/v, gate/up) in a model's own layout.
 PACKED_NAMES = frozenset(
     {"qkv_proj", "query_key_value", "c_attn", "Wqkv", "W_pack", "qkv", "gate_up_proj"}
 )
-_COLUMN = ("colwise", "packed_colwise")
-_ROW = ("rowwise", "packed_rowwise")
-#: Styles that work with the sequence split between regions (the embedding comes before it).
-_SEQUENCE_READY = (
-    "rowwise",
-    "colwise_gather",
-    "rowwise_split",
-    "replicated_grad",
-    "vocab_embedding",
-    "local",
-)
 #: Config attributes counting attention heads: a head-parallel plan must split them evenly.
 _HEAD_ATTRS = ("num_attention_heads", "num_key_value_heads", "n_head", "num_heads")
+
+#: One matched plan entry: (path, "module" or "param", style).
+Entry = tuple[str, str, Style]
 
 
 @dataclass(frozen=True)
@@ -120,7 +96,8 @@ class TPPlan:
     """A tensor-parallel plan: ``styles`` maps module (or parameter) path patterns to styles.
 
     Attributes:
-        styles: pattern -> one of :data:`STYLES`; ``*`` matches one path component.
+        styles: pattern -> a style value (given as a value, a name of :data:`STYLES`, or the
+            JSON form ``{"style": name, **fields}``); ``*`` matches one path component.
         divide: pattern -> attributes of the matched modules that hold global sizes (heads,
             widths) and are divided by the group size.
         head_parallel: the plan splits attention heads (their counts must divide by the group).
@@ -128,19 +105,28 @@ class TPPlan:
     Example:
         >>> TPPlan({"h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}).patterns()
         ['h.*.mlp.c_fc', 'h.*.mlp.c_proj']
+        >>> from slapo.model_schedule.tp_styles import PackedColwise
+        >>> TPPlan({"h.*.attn.c_attn": PackedColwise(parts=3)}, {"h.*.attn": ("num_heads",)})
+        TPPlan({
+            'h.*.attn.c_attn': PackedColwise(parts=3),
+        }, divide={'h.*.attn': ('num_heads',)})
     """
 
-    styles: Mapping[str, str]
+    styles: Mapping[str, Style]
     divide: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     head_parallel: bool = True
 
     def __post_init__(self) -> None:
-        for pattern, style in self.styles.items():
-            if style not in STYLES:
-                raise SlapoError(
-                    f'tensor-parallel plan: "{pattern}" has the style {style!r}; the styles are '
-                    f"{', '.join(STYLES)}"
-                )
+        # plans are written with names; they hold values (an unknown name: TPStyleError)
+        styles = {p: parse_style(s, p) for p, s in self.styles.items()}
+        object.__setattr__(self, "styles", styles)
+        object.__setattr__(self, "divide", {p: tuple(a) for p, a in self.divide.items()})
+
+    def __repr__(self) -> str:
+        lines = "".join(f"\n    {p!r}: {s!r}," for p, s in self.styles.items())
+        extra = f", divide={dict(self.divide)!r}" if self.divide else ""
+        extra += "" if self.head_parallel else ", head_parallel=False"
+        return f"TPPlan({{{lines}\n}}{extra})"
 
     def patterns(self) -> list[str]:
         return list(self.styles)
@@ -155,11 +141,33 @@ class TPPlan:
             self.head_parallel,
         )
 
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data (styles by name, or ``{"style": ..., **fields}``)."""
+        return {
+            "styles": {p: s.to_json() for p, s in self.styles.items()},
+            "divide": {p: list(a) for p, a in self.divide.items()},
+            "head_parallel": self.head_parallel,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TPPlan:
+        """The plan :meth:`to_dict` gave (a bare ``{pattern: style}`` mapping reads as styles)."""
+        if "styles" not in data:
+            return cls(dict(data))
+        return cls(data["styles"], data.get("divide", {}), data.get("head_parallel", True))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> TPPlan:
+        return cls.from_dict(json.loads(text))
+
 
 @dataclass
 class AppliedPlan:
-    """What :func:`apply_tp_plan` did: the sharded paths per style, the regions, the parameters
-    whose gradients it sums, and the entries it found nothing for."""
+    """What :func:`apply_tp_plan` did: the sharded paths per style name, the regions, the
+    parameters whose gradients it sums, and the entries it found nothing for."""
 
     sharded: dict[str, list[str]] = field(default_factory=dict)
     regions: list[str] = field(default_factory=list)
@@ -198,14 +206,41 @@ def apply_tp_plan(
     from the first block's input to the last block's output). A pattern that matches nothing is
     skipped (plans cover a family's variants); a style the matched module cannot take, heads that
     do not divide, or a replicated parameter the plan cannot place raise a :class:`SlapoError`
-    naming the module.
+    naming the module. Each entry's style applies itself; what spans entries (regions, the
+    sequence, the checks) is done here from the styles' attributes.
 
-    Example:
-        >>> applied = apply_tp_plan(sch, LLAMA_PLAN, blocks(sch, "model.layers"))
+    Example (illustration: ``sch`` needs a process group):
+        >>> from slapo.model_schedule.llama import LLAMA_PLAN
+        >>> applied = apply_tp_plan(sch, LLAMA_PLAN, blocks(sch, "model.layers"))  # doctest: +SKIP
     """
-    root = sch.mod
     applied = AppliedPlan()
-    entries: list[tuple[str, str, str]] = []  # (path, kind, style)
+    entries = _resolve(sch.mod, plan, applied)
+    experts = _check(sch, plan, entries, blocks, sequence_parallel)
+    for path, kind, style in entries:
+        applied.sharded.setdefault(style.name, []).append(path)
+        if kind == "param":
+            style.apply_param(sch, path)
+        else:
+            style.apply(sch, path, sequence_parallel)
+    for path in experts:
+        _experts(sch, path)
+    columns = [p for p, kind, s in entries if kind == "module" and s.role == "column"]
+    rows = {p for p, kind, s in entries if kind == "module" and s.closes_region}
+    applied.regions = _enter_regions(sch, columns, blocks, sequence_parallel)
+    if sequence_parallel:
+        _gather_sequence_around_split_features(sch, entries, applied.regions, blocks)
+    for pattern, attrs in plan.divide.items():
+        for path, _ in _matches(sch.mod, pattern):
+            divide_attrs(sch, path, *attrs)
+    applied.summed = _sum_replicated(sch, entries, applied.regions, rows, sequence_parallel)
+    if sequence_parallel:
+        _split_sequence(sch, blocks or [], applied)
+    return applied
+
+
+def _resolve(root: nn.Module, plan: TPPlan, applied: AppliedPlan) -> list[Entry]:
+    """The plan's entries, pattern by pattern in model order; the unmatched patterns noted."""
+    entries: list[Entry] = []
     for pattern, style in plan.styles.items():
         found = _matches(root, pattern)
         if not found:
@@ -216,147 +251,37 @@ def apply_tp_plan(
             f"tensor-parallel plan: none of its patterns ({', '.join(plan.patterns())}) names a "
             f"module or parameter of {type(root).__name__}"
         )
+    return entries
+
+
+def _check(
+    sch: Schedule,
+    plan: TPPlan,
+    entries: list[Entry],
+    blocks: list[str] | None,
+    sequence_parallel: bool,
+) -> set[str]:
+    """Refuse, before anything is split, a plan that cannot be right; returns the modules
+    reduced as experts."""
     if plan.head_parallel and any(
-        style in _COLUMN and _is_attention(_parent(path)) for path, _, style in entries
+        style.role == "column" and _is_attention(_parent(path)) for path, _, style in entries
     ):
         _check_heads(sch)
     if sequence_parallel:
         _check_sequence_parallel(sch, entries, blocks)
-    experts = {path for path, _, style in entries if style == "experts"}
-    for path, _, style in entries:  # "all_reduce" of a module holding split parameters
-        if style == "reduced" and not _holds_row(path, entries):
-            experts.add(path)
+    experts = {
+        path for path, _, style in entries if style.reduced_as_experts(_holds_row(path, entries))
+    }
     _check_widths(sch, entries, experts)
     _check_reducers(entries, experts)
-    columns: list[str] = []
-    rows: set[str] = set()
-    for path, kind, style in entries:
-        applied.sharded.setdefault(style, []).append(path)
-        if style in ("experts", "local"):
-            continue
-        if kind == "param":
-            _shard_param(sch, path, style)
-            continue
-        if style == "reduced":
-            continue  # reduced by its rowwise projection, or as experts
-        _shard_module(sch, path, style, sequence_parallel)
-        if style in _COLUMN:
-            columns.append(path)
-        elif style == "rowwise":
-            rows.add(path)
-    for path in experts:
-        _experts(sch, path)
-    applied.regions = _enter_regions(sch, columns, rows, blocks, sequence_parallel)
-    if sequence_parallel:
-        _gather_sequence_around_split_features(sch, entries, applied.regions, blocks)
-    for pattern, attrs in plan.divide.items():
-        for path, _ in _matches(root, pattern):
-            divide_attrs(sch, path, *attrs)
-    applied.summed = _sum_replicated(sch, entries, applied.regions, rows, sequence_parallel)
-    if sequence_parallel:
-        _split_sequence(sch, blocks or [], applied)
-    return applied
+    return experts
 
 
-# ----- one style ------------------------------------------------------------------------------
-def _weighted(sch: Schedule, path: str, style: str) -> nn.Module:
-    mod = sch[path].mod
-    weight = getattr(mod, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise SlapoError(
-            f'tensor-parallel plan: "{path}" ({type(mod).__name__}) has no 2-D weight to shard '
-            f"{style}; name a linear layer, or a parameter of an experts module"
-        )
-    return mod
-
-
-def _shard_module(sch: Schedule, path: str, style: str, sequence_parallel: bool) -> None:
-    if style == "replicated_grad":
-        if any(True for _ in sch[path].mod.parameters(recurse=False)):  # a norm may have none
-            replicated(sch, path)
-        return
-    if style == "vocab_embedding":
-        _vocab_embedding(sch, path)
-        return
-    if style == "embedding_colwise":
-        _embedding_columns(sch, path)
-        return
-    if style == "packed_rowwise":
-        raise SlapoError(
-            f'tensor-parallel plan: "{path}" is a module; packed_rowwise splits a parameter of '
-            "an experts module"
-        )
-    _weighted(sch, path, style)
-    if style in ("colwise", "colwise_gather"):
-        column(sch, path)
-    elif style == "packed_colwise":
-        column(sch, path, fused=2)
-    elif style == "rowwise":
-        row(sch, path, sequence_parallel)
-    elif style == "rowwise_split":
-        sch[path].sync(mode="fwd_pre", sync_op_or_fn="scatter", dim=-1)
-        row(sch, path, sequence_parallel)
-    if style == "colwise_gather":
-        # its input gradient is this rank's part: all-reduced, or, under sequence parallelism,
-        # reduce-scattered by the sequence gather at its parent's entry; whole features after it
-        if not sequence_parallel:
-            enter(sch, path)
-        sch[path].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=-1)
-
-
-def _shard_param(sch: Schedule, path: str, style: str) -> None:
-    owner, name = path.rsplit(".", 1)
-    param = getattr(sch[owner].mod, name)
-    if style == "replicated_grad":
-        replicated(sch, owner)
-        return
-    if style not in _COLUMN + _ROW:
-        raise SlapoError(f'tensor-parallel plan: "{path}" is a parameter; {style} needs a module')
-    if style in _ROW:  # the last axis; packed: gate and up side by side along it
-        axis = param.dim() - 1
-    else:  # [experts, out, in] or [out, in]: the output axis; a 1-D parameter (sinks) splits
-        axis = max(param.dim() - 2, 0)
-    sch[owner].shard(name, axis=axis, fused=2 if style.startswith("packed") else 1)
-
-
-def _vocab_embedding(sch: Schedule, path: str) -> None:
-    mod = sch[path].mod
-    if not isinstance(mod, nn.Embedding):
-        raise SlapoError(
-            f'tensor-parallel plan: "{path}" ({type(mod).__name__}) is no nn.Embedding; '
-            "vocab_embedding splits an embedding table over its rows"
-        )
-    if mod.num_embeddings % tp_size(sch):
-        return  # stays whole: right, only not split (the vocabulary does not divide)
-    weight = mod.weight
-    heads = [
-        p
-        for p, m in sch.mod.named_modules()
-        if p != path and getattr(m, "weight", None) is weight and not isinstance(m, nn.Embedding)
-    ]
-    sch[path].shard("weight", axis=0)
-    sch[path].sync(mode="fwd_post", sync_op_or_fn="all_reduce")
-    for head in heads:  # a tied LM head now computes this rank's slice of the logits
-        sch[head].sync(mode="bwd_post", sync_op_or_fn="all_reduce")
-        sch[head].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=-1)
-
-
-def _embedding_columns(sch: Schedule, path: str) -> None:
-    mod = sch[path].mod
-    if not isinstance(mod, nn.Embedding):
-        raise SlapoError(
-            f'tensor-parallel plan: "{path}" ({type(mod).__name__}) is no nn.Embedding; '
-            "embedding_colwise splits an embedding table over its features"
-        )
-    sch[path].shard("weight", axis=1)
-    sch[path].sync(mode="fwd_post", sync_op_or_fn="all_gather", dim=-1)
-
-
-def _check_reducers(entries: list[tuple[str, str, str]], experts: set[str]) -> None:
-    """Before anything is split: every column split must be reduced somewhere (a rowwise
-    projection; for a split parameter, its experts module or its region's)."""
-    modules = [p for p, kind, style in entries if kind == "module" and style in _COLUMN]
-    if modules and not any(s == "rowwise" for _, _, s in entries):
+def _check_reducers(entries: list[Entry], experts: set[str]) -> None:
+    """Every column split must be reduced somewhere (a rowwise projection; for a split
+    parameter, its experts module or its region's)."""
+    modules = [p for p, kind, style in entries if kind == "module" and style.role == "column"]
+    if modules and not any(s.closes_region for _, _, s in entries):
         raise SlapoError(
             f'tensor-parallel plan: "{modules[0]}" is split by columns but the plan has no '
             "rowwise projection to reduce it; its output would stay split"
@@ -364,8 +289,7 @@ def _check_reducers(entries: list[tuple[str, str, str]], experts: set[str]) -> N
     regions = {_parent(p) for p in modules}
     for path, kind, style in entries:
         owner = _parent(path)
-        split = style in (*_COLUMN, *_ROW)
-        if kind == "param" and split and owner not in experts and owner not in regions:
+        if kind == "param" and style.role and owner not in experts and owner not in regions:
             raise SlapoError(
                 f'tensor-parallel plan: "{path}" is a parameter split {style}, but its module '
                 f'"{owner}" is neither marked "experts" nor a region of split projections; '
@@ -373,55 +297,51 @@ def _check_reducers(entries: list[tuple[str, str, str]], experts: set[str]) -> N
             )
 
 
-def _holds_row(path: str, entries: list[tuple[str, str, str]]) -> bool:
+def _holds_row(path: str, entries: list[Entry]) -> bool:
     return any(
-        style == "rowwise" and kind == "module" and p.startswith(path + ".")
+        style.closes_region and kind == "module" and p.startswith(path + ".")
         for p, kind, style in entries
     )
 
 
-def _split_width(sch: Schedule, path: str, kind: str, style: str) -> int | None:
-    """The size of the axis ``style`` splits (per packed half), before it is split."""
+def _split_width(sch: Schedule, path: str, kind: str, style: Style) -> int | None:
+    """The size of the axis ``style`` splits (per packed part), before it is split."""
     if kind == "param":
         owner, name = path.rsplit(".", 1)
         param = getattr(sch[owner].mod, name)
-        size = param.shape[-1] if style in _ROW else param.shape[max(param.dim() - 2, 0)]
+        size = param.shape[-1] if style.role == "row" else param.shape[max(param.dim() - 2, 0)]
     else:
         mod = sch[path].mod
         weight = getattr(mod, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             return None
         out_axis = 1 if is_conv1d(mod) else 0
-        size = weight.shape[out_axis if style in _COLUMN else 1 - out_axis]
-    return int(size) // (2 if style.startswith("packed") else 1)
+        size = weight.shape[out_axis if style.role == "column" else 1 - out_axis]
+    return int(size) // style.parts
 
 
-def _check_widths(sch: Schedule, entries: list[tuple[str, str, str]], experts: set[str]) -> None:
+def _check_widths(sch: Schedule, entries: list[Entry], experts: set[str]) -> None:
     """Refuse a plan whose split projections do not meet: the features a region's column
     projections produce must be the ones its row projection takes, else a packed or interleaved
     weight (gate and up in one) would be split across its halves and give other numbers."""
-    groups: dict[str, list[tuple[str, str, str]]] = {}
+    groups: dict[str, list[Entry]] = {}
     for path, kind, style in entries:
-        if style in (*_COLUMN, *_ROW):
+        if style.role:
             groups.setdefault(_parent(path), []).append((path, kind, style))
     for owner, members in groups.items():
+        widths = {p: _split_width(sch, p, k, s) for p, k, s in members}
         if owner in experts:  # every expert weight splits the same intermediate width
-            widths = {p: _split_width(sch, p, k, s) for p, k, s in members}
             if len(set(widths.values())) > 1:
                 _refuse_widths(owner, widths)
             continue
-        cols = {p: _split_width(sch, p, k, s) for p, k, s in members if s in _COLUMN}
-        rows = {p: _split_width(sch, p, k, s) for p, k, s in members if s in _ROW}
-        if not cols or not rows or None in (*cols.values(), *rows.values()):
-            continue
-        (row_width,) = set(rows.values()) if len(set(rows.values())) == 1 else (None,)
-        if _is_attention(owner):
+        cols = {p: widths[p] for p, _, s in members if s.role == "column"}
+        rows = {p: widths[p] for p, _, s in members if s.role == "row"}
+        if not cols or not rows or None in widths.values() or _is_attention(owner):
             # heads split whole (checked apart); a packed q/k/v split by columns is right when
             # the model packs it per head (GPT-NeoX), which its own plan then says
-            fits = True
-        else:
-            fits = set(cols.values()) == {row_width}
-        if not fits:
+            continue
+        row_width = next(iter(rows.values())) if len(set(rows.values())) == 1 else None
+        if set(cols.values()) != {row_width}:
             _refuse_widths(owner, {**cols, **rows})
 
 
@@ -469,7 +389,6 @@ def _is_attention(path: str) -> bool:
 def _enter_regions(
     sch: Schedule,
     columns: list[str],
-    rows: set[str],
     blocks: list[str] | None,
     sequence_parallel: bool,
 ) -> list[str]:
@@ -495,7 +414,7 @@ def _enter_regions(
 
 def _gather_sequence_around_split_features(
     sch: Schedule,
-    entries: list[tuple[str, str, str]],
+    entries: list[Entry],
     regions: list[str],
     blocks: list[str] | None,
 ) -> None:
@@ -503,14 +422,14 @@ def _gather_sequence_around_split_features(
     ``colwise_gather`` projections (an attention reads its sequence length from its input):
     inside, every rank computes on whole sequences; its ``rowwise_split`` projection
     reduce-scatters back to this rank's slice."""
-    parents = {_parent(p) for p, _, style in entries if style == "colwise_gather"}
+    parents = {_parent(p) for p, _, style in entries if style.gathers}
     for parent in sorted(parents - set(regions)):
         if parent == "" or (blocks is not None and parent in blocks):
             raise SlapoError(
                 f'sequence_parallel: the split projections of "{parent}" sit directly in a '
                 "block; the sequence can only be gathered at the entry of a module of its own"
             )
-        if not any(s == "rowwise_split" and _parent(p) == parent for p, _, s in entries):
+        if not any(s.scatters and _parent(p) == parent for p, _, s in entries):
             raise SlapoError(
                 f'sequence_parallel: "{parent}" gathers its features but has no rowwise_split '
                 "projection to return to this rank's slice of the sequence"
@@ -518,18 +437,16 @@ def _gather_sequence_around_split_features(
         enter(sch, parent, sequence_parallel=True)
 
 
-def _check_sequence_parallel(
-    sch: Schedule, entries: list[tuple[str, str, str]], blocks: list[str] | None
-) -> None:
+def _check_sequence_parallel(sch: Schedule, entries: list[Entry], blocks: list[str] | None) -> None:
     if not blocks:
         raise SlapoError("sequence_parallel needs the model's blocks (pass blocks=)")
-    other = {style for _, _, style in entries} - {*_COLUMN, *_SEQUENCE_READY}
+    other = {style.name for _, _, style in entries if not style.sequence_ready}
     if other:
         raise SlapoError(
             f"sequence_parallel: the plan uses {', '.join(sorted(other))}; sequence "
             "parallelism is implemented for projections split by columns and rows only"
         )
-    regions = {_parent(path) for path, _, style in entries if style != "replicated_grad"}
+    regions = {_parent(path) for path, _, style in entries if not style.keeps_whole}
     for blk in blocks:
         for name, child in sch[blk].mod.named_children():
             path = f"{blk}.{name}"
@@ -552,7 +469,7 @@ def _mixes_tokens(mod: nn.Module) -> bool:
 # ----- replicated parameters --------------------------------------------------------------------
 def _sum_replicated(
     sch: Schedule,
-    entries: list[tuple[str, str, str]],
+    entries: list[Entry],
     regions: list[str],
     rows: set[str],
     sequence_parallel: bool,
@@ -563,7 +480,7 @@ def _sum_replicated(
     experts): each rank's gradient is a part of the whole. A rowwise projection's bias is added
     after the all-reduce (whole activations) and is left alone, unless the sequence is split.
     """
-    marked = {path for path, kind, style in entries if style == "replicated_grad"}
+    marked = {path for path, _, style in entries if style.keeps_whole}
     summed: list[str] = []
     for region in regions:
         for name, mod in sch[region].mod.named_modules():
@@ -576,7 +493,7 @@ def _sum_replicated(
             replicated(sch, path)
             summed.append(path)
     if sequence_parallel:  # the row projections' biases meet a slice of the sequence
-        rows = rows | {path for path, kind, style in entries if style == "rowwise_split"}
+        rows = rows | {path for path, _, style in entries if style.scatters}
         for path in rows - set(summed):
             if any(get_shard_spec(p) is None for p in sch[path].mod.parameters(recurse=False)):
                 replicated(sch, path)  # its bias meets a slice of the sequence
@@ -605,12 +522,18 @@ def from_hf_plan(model: nn.Module) -> TPPlan | None:
     """Our plan from the model's own ``config.base_model_tp_plan`` (None when it has none).
 
     Patterns are relative to the base model; they get its prefix (``model.``). The LM head stays
-    whole (its logits are whole on every rank). A style without a counterpart here raises a
-    :class:`SlapoError` naming it.
+    whole (its logits are whole on every rank). Each Hugging Face style name reads as the style
+    :data:`HF_STYLES` gives it; one without a counterpart raises a :class:`TPStyleError` naming
+    it.
 
     Example:
-        >>> from_hf_plan(LlamaForCausalLM(config)).styles["model.layers.*.self_attn.q_proj"]
-        'colwise'
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(
+        ...     vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        ...     num_attention_heads=2, num_key_value_heads=2)
+        >>> plan = from_hf_plan(transformers.LlamaForCausalLM(config))
+        >>> plan.styles["model.layers.*.self_attn.q_proj"], plan.styles["model.layers.*.mlp.down_proj"]
+        (Colwise(), Rowwise())
     """
     config = getattr(model, "config", None)
     hf = getattr(config, "base_model_tp_plan", None) if config is not None else None
@@ -619,7 +542,7 @@ def from_hf_plan(model: nn.Module) -> TPPlan | None:
     unknown = {k: v for k, v in hf.items() if v not in HF_STYLES}
     if unknown:
         pattern, style = next(iter(unknown.items()))
-        raise SlapoError(
+        raise TPStyleError(
             f'tensor parallelism: {type(model).__name__}\'s own plan gives "{pattern}" the '
             f"style {style!r}, which slapo does not implement; the styles it translates are "
             f"{', '.join(HF_STYLES)}"

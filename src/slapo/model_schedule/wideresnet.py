@@ -16,7 +16,7 @@ from __future__ import annotations
 from ..schedule import Schedule
 from .helpers import blocks, checkpoint_blocks, column, enter, require, row, tp_size
 from .knobs import Knobs
-from .registry import register_schedule
+from .schedule_registry import register_schedule
 
 #: The layer lists of :class:`slapo.vision.WideResNet`, one per width.
 GROUPS = ("layer1", "layer2", "layer3")

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..exceptions import OpError
+
 __all__ = ["linear_cross_entropy", "LinearCrossEntropy"]
 
 
@@ -92,7 +94,7 @@ def linear_cross_entropy(
         >>> loss.backward()
     """
     if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        raise OpError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     x = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     return _LinearCrossEntropy.apply(x, weight, bias, y, ignore_index, chunk_size, reduction)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..exceptions import OpError
+
 __all__ = ["FusedQKV"]
 
 
@@ -51,11 +53,9 @@ class FusedQKV(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads < 1 or hidden_size % num_heads:
-            raise ValueError(
-                f"FusedQKV: num_heads={num_heads} must divide hidden_size={hidden_size}"
-            )
+            raise OpError(f"FusedQKV: num_heads={num_heads} must divide hidden_size={hidden_size}")
         if world_size < 1 or num_heads % world_size:
-            raise ValueError(
+            raise OpError(
                 f"FusedQKV: world_size={world_size} must divide num_heads={num_heads} (each rank "
                 "holds whole heads)"
             )
@@ -102,15 +102,13 @@ class FusedQKV(nn.Module):
         linears = (query, key, value)
         shapes = {tuple(lin.weight.shape) for lin in linears}
         if len(shapes) != 1 or (shape := shapes.pop())[0] != shape[1]:
-            raise ValueError(
+            raise OpError(
                 "FusedQKV.from_linears needs three square projections of one size, got weights "
                 f"of shapes {[tuple(lin.weight.shape) for lin in linears]}"
             )
         biased = [lin.bias is not None for lin in linears]
         if len(set(biased)) != 1:
-            raise ValueError(
-                "FusedQKV.from_linears: either all three projections have a bias or none"
-            )
+            raise OpError("FusedQKV.from_linears: either all three projections have a bias or none")
         weight = query.weight
         fused = cls(
             shape[0],

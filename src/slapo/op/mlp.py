@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..exceptions import SlapoError
+from ..exceptions import OpError, SlapoError
 
 __all__ = ["bias_gelu", "FusedBiasGELU", "BiasDropoutResidual", "FusedMLP", "MLP_ACTIVATIONS"]
 
@@ -42,7 +42,7 @@ class FusedBiasGELU(nn.Module):
         super().__init__()
         if bias is None:
             if size is None:
-                raise ValueError("FusedBiasGELU needs a size or a bias")
+                raise OpError("FusedBiasGELU needs a size or a bias")
             bias = nn.Parameter(torch.zeros(size))
         self.bias = bias
         self.approximate = approximate

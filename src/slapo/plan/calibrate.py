@@ -13,7 +13,16 @@
   as a ring (all-gather ``(n-1)`` x the input, all-reduce ``2 (n-1)/n`` x it) and the ring's
   steps (``n-1``, ``2 (n-1)``) put the times in :meth:`Link.seconds`'s convention: the slope
   from the small to the large message is the bandwidth, what the small one takes beyond its
-  bytes is the latency (per step).
+  bytes is the latency (per step);
+* ``fsdp_unit`` (a CPU, :attr:`DeviceSpec.engine_overhead_us`): the same processes train a
+  stack of FSDP2 units too narrow to compute or move anything (16 wide) at two depths; the
+  step's growth per unit is FSDP2's own host work and its three collectives' latency (measured
+  together: a small message's latency alone is the noisiest figure here, and the engine pays
+  it inside its own waits).
+
+:func:`calibrate_shapes` then measures the matmuls and attention kernels of one model at their
+own shapes (the keys :func:`slapo.plan.step_time.shape_key` gives; a CPU's at the thread count
+its ranks run with): a transformer 128 wide multiplies far below a 2048-wide GEMM's rate.
 
 Each time is the median of repeats after a warmup (CUDA events on a GPU). With a ``base`` (a
 datasheet preset) the peaks stay the datasheet's and each measurement becomes a fraction of them
@@ -53,7 +62,7 @@ import torch
 
 from .hardware import DeviceSpec, DeviceSpecError, Link, save_device
 
-__all__ = ["calibrate_device", "write_calibration"]
+__all__ = ["calibrate_device", "calibrate_shapes", "write_calibration"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Seconds the collective workers may take in all (start-up included) before they are killed.
@@ -154,20 +163,58 @@ def _attention_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> 
 
 
 def _op_overhead_us(device: torch.device, plan: _Plan) -> float:
-    """Microseconds one tiny op of a training step costs on the host (dispatch, autograd's
-    record and its backward node; no work): a chain of 16-element multiplies and its backward,
-    per aten op they run (one each way)."""
+    """Microseconds one op of a transformer's training step costs on the host beside its work
+    (Python module code, dispatch, autograd's record and its backward node, the optimizer's
+    loop): a Hugging Face Llama too narrow to compute anything (16 wide, 16 tokens) trains one
+    step with AdamW, on one thread (its ops are too small for more), per aten op
+    :class:`~slapo.plan.step_time.StepCounter` counts. Without transformers: a chain of
+    16-element multiplies and its backward (the dispatch alone, about half of it)."""
+    from .step_time import StepCounter
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = _tiny_transformer_step(device) or _multiply_chain_step(device)
+        with StepCounter() as counter:
+            step()
+        seconds = _median_seconds(step, device, plan.warmup + 1, plan.repeats)
+    finally:
+        torch.set_num_threads(before)
+    return seconds / max(1, sum(counter.ops.values())) * 1e6
+
+
+def _tiny_transformer_step(device: torch.device) -> Callable[[], None] | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, use_cache=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ids = torch.arange(16, device=device).reshape(2, 8) % 64
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _multiply_chain_step(device: torch.device) -> Callable[[], None]:
     x = torch.ones(16, device=device, requires_grad=True)
-    chain = 100
 
     def step() -> None:
         y = x
-        for _ in range(chain):
+        for _ in range(100):
             y = y * 1.0001
         y.sum().backward()
         x.grad = None
 
-    return _median_seconds(step, device, plan.warmup, plan.repeats) / (2 * chain) * 1e6
+    return step
 
 
 def _memory_gbps(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
@@ -229,6 +276,8 @@ def _collective_worker(
                     _timed_collective(op, x, outs)
                 times = [_timed_collective(op, x, outs) for _ in range(plan.repeats)]
                 medians.append(statistics.median(times))
+        if backend == "gloo":  # FSDP2's host work per unit (module doc); GPUs run ahead of it
+            medians.append(_fsdp_unit_seconds(plan))
         slowest = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
         result = {"ok": True, "seconds": slowest.tolist()}
@@ -240,6 +289,39 @@ def _collective_worker(
         slapo.env.teardown()
     except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
         pass
+
+
+#: FSDP2 units of the two stacks :func:`_fsdp_unit_seconds` times, and their width.
+FSDP_DEPTHS = (2, 8)
+FSDP_WIDTH = 16
+
+
+def _fsdp_unit_seconds(plan: _Plan) -> float:
+    """Seconds one FSDP2 unit adds to a training step (forward, backward, AdamW) on this
+    process group: the slope between stacks of :data:`FSDP_DEPTHS` units (each one narrow
+    ``Linear``, every unit and the root sharded), whose compute is nothing."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    times = []
+    for depth in FSDP_DEPTHS:
+        model = torch.nn.Sequential(
+            *(torch.nn.Sequential(torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH)) for _ in range(depth))
+        )
+        for unit in model:
+            fully_shard(unit)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        x = torch.ones(4, FSDP_WIDTH)
+
+        def step(model: torch.nn.Module = model, optimizer: Any = optimizer, x: Any = x) -> None:
+            dist.barrier()  # the ranks start together (both stacks pay it: the slope cancels it)
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+        times.append(_median_seconds(step, torch.device("cpu"), plan.warmup + 2, plan.repeats))
+    return max(0.0, (times[1] - times[0]) / (FSDP_DEPTHS[1] - FSDP_DEPTHS[0]))
 
 
 def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str, int], float]:
@@ -282,7 +364,9 @@ def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str
             "fix the cause below, or pass world=1 with a base to keep its link:\n"
             + "\n".join(errors)
         )
-    keys = [(op, nbytes) for op in _OPS for nbytes in plan.messages]
+    keys: list[Any] = [(op, nbytes) for op in _OPS for nbytes in plan.messages]
+    if backend == "gloo":
+        keys.append(("fsdp_unit", 0))
     return dict(zip(keys, results[0]["seconds"], strict=True))
 
 
@@ -290,7 +374,7 @@ def _fit_link(seconds: dict[tuple[str, int], float], world: int) -> Link:
     """A :class:`Link` in :meth:`Link.seconds`'s convention from small/large message times:
     per op, bandwidth = the slope between them; latency = what the small one takes beyond its
     bytes, per ring step (never below 0). The ops' figures are averaged."""
-    small, large = sorted({nbytes for _, nbytes in seconds})
+    small, large = sorted({nbytes for op, nbytes in seconds if op in _OPS})
     bandwidths, latencies = [], []
     for op in _OPS:
         sent_s, steps = _ring(op, small, world)
@@ -444,7 +528,11 @@ def calibrate_device(
     memory = _memory_gbps(dev, _DTYPES[dtype], plan)
     # a CPU dispatches each op on the cores that compute; a GPU's launches overlap its kernels
     overhead = _sig(_op_overhead_us(dev, plan)) if device == "cpu" else None
-    link = _fit_link(_collective_seconds(world, backend, plan), world) if world > 1 else None
+    timed = _collective_seconds(world, backend, plan) if world > 1 else {}
+    link = _fit_link(timed, world) if timed else None
+    engine: dict[str, float] = {}
+    if ("fsdp_unit", 0) in timed:  # its collectives' latency included (DeviceSpec doc)
+        engine["fsdp_unit"] = _sig(timed[("fsdp_unit", 0)] * 1e6)
 
     if base is not None:
         peak = base.peak_tflops[dtype]
@@ -485,7 +573,7 @@ def calibrate_device(
         f"memory {_sig(memory)} GB/s (add of {plan.memory_elems} elements)",
     ]
     if overhead is not None:
-        measured.append(f"op overhead {overhead} us (16-element multiplies, with backward)")
+        measured.append(f"op overhead {overhead} us (a 16-wide Llama's training step, per op)")
     if link is not None:
         measured.append(
             f"collectives {link.gbps} GB/s, {link.latency_us} us ({backend} x{world}, "
@@ -493,6 +581,11 @@ def calibrate_device(
         )
     else:
         measured.append("collectives not timed (one process)")
+    if engine:
+        measured.append(
+            f"FSDP2 {engine['fsdp_unit']} us per unit, its collectives' latency included "
+            f"(stacks of {' and '.join(map(str, FSDP_DEPTHS))} units {FSDP_WIDTH} wide)"
+        )
     source = (
         f"calibrated on {socket.gethostname()} ({hardware}, {torch.get_num_threads()} threads), "
         f"{date}, torch {torch.__version__}, {dtype}{', quick' if quick else ''}: "
@@ -515,12 +608,132 @@ def calibrate_device(
     }
     if overhead is not None:
         fields["op_overhead_us"] = overhead
+    if engine:
+        fields["engine_overhead_us"] = engine
     if device == "cpu":
         # a CPU's collectives run on threads that take the very cores computing: what overlaps
         # compute slows it by as much
         fields["overlap_slowdown"] = 1.0
     # a base's fields this does not measure stay the base's; without one, the defaults
     return dataclasses.replace(base, **fields) if base is not None else DeviceSpec(**fields)
+
+
+def _parse_shape(key: str) -> tuple[str, str, torch.dtype, list[int], bool]:
+    """(kind, direction or operand layout, dtype, dims, causal) of a
+    :func:`~slapo.plan.step_time.shape_key`."""
+    words = key.split()
+    try:
+        kind = words[0]
+        way = words[1] if kind == "attention" else ""
+        dtype = _DTYPES[words[2] if way else words[1]]
+        dims = [int(d) for d in words[3 if way else 2].split("x")]
+        layout = words[3] if kind == "matmul" else ""
+        ok = (
+            kind == "matmul"
+            and len(dims) in (3, 4)
+            and len(words) == 4
+            and set(layout) <= {"n", "t"}
+            and len(layout) == 2
+        ) or (kind == "attention" and way in ("fwd", "bwd") and len(dims) == 4)
+    except (IndexError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise DeviceSpecError(
+            f"calibrate_shapes: cannot read shape key {key!r}; keys are what "
+            "slapo.plan.step_time.shape_key gives, e.g. 'matmul fp32 1024x384x128 nt'"
+        )
+    return kind, way or layout, dtype, dims, words[-1] == "causal"
+
+
+def _shape_tflops(key: str, device: torch.device, plan: _Plan) -> float:
+    """The rate of the op ``key`` names, at its shape, FLOPs counted as the counter counts."""
+    kind, way, dtype, dims, causal = _parse_shape(key)
+    if kind == "matmul":
+        *batch, m, n, k = dims
+
+        def operand(rows: int, cols: int, transposed: bool) -> torch.Tensor:
+            if transposed:  # stored the other way round, used as a transposed view
+                return torch.randn(*batch, cols, rows, device=device, dtype=dtype).transpose(-1, -2)
+            return torch.randn(*batch, rows, cols, device=device, dtype=dtype)
+
+        a, b = operand(m, k, way[0] == "t"), operand(k, n, way[1] == "t")
+        seconds = _median_seconds(lambda: torch.matmul(a, b), device, plan.warmup, plan.repeats)
+        return 2 * math.prod(dims) / seconds / 1e12
+    bh, s_q, s_k, d = dims
+    q = torch.randn(1, bh, s_q, d, device=device, dtype=dtype, requires_grad=True)
+    k, v = (
+        torch.randn(1, bh, s_k, d, device=device, dtype=dtype, requires_grad=True) for _ in range(2)
+    )
+    grad = torch.randn(1, bh, s_q, d, device=device, dtype=dtype)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def forward() -> torch.Tensor:
+        return sdpa(q, k, v, is_causal=causal)
+
+    def both() -> None:
+        q.grad = k.grad = v.grad = None
+        forward().backward(grad)
+
+    with torch.no_grad():
+        fwd = _median_seconds(forward, device, plan.warmup, plan.repeats)
+    flops = 4 * bh * s_q * s_k * d // (2 if causal else 1)
+    if way == "fwd":
+        return flops / fwd / 1e12
+    bwd = max(1e-9, _median_seconds(both, device, plan.warmup, plan.repeats) - fwd)
+    return flops * 2.5 / bwd / 1e12
+
+
+def calibrate_shapes(
+    spec: DeviceSpec,
+    keys: list[str] | tuple[str, ...],
+    *,
+    device: str = "cpu",
+    threads: int | None = None,
+    quick: bool = False,
+) -> DeviceSpec:
+    """``spec`` with the rate of each op shape in ``keys`` measured here (module doc), in its
+    ``op_tflops``: a CPU's keyed `` @<threads>t`` (the thread count a rank computes with:
+    torchrun gives each process one), a GPU's as they are.
+
+    Args:
+        spec: the device (from :func:`calibrate_device`, a preset or a file).
+        keys: shape keys (:func:`slapo.plan.step_time.shape_key`): a prediction's
+            ``counts["shapes"]``, or :meth:`StepCounts.shapes`.
+        device: ``"cpu"`` or ``"cuda"`` (the current GPU).
+        threads: the CPU threads to measure with (default: torch's current count).
+        quick: fewer repeats.
+
+    Raises:
+        DeviceSpecError: a key that is not a shape key, or a bad argument.
+
+    Example:
+        >>> cpu = calibrate_shapes(cpu, ["matmul fp32 1024x384x128 nt"], threads=1, quick=True)
+        >>> sorted(cpu.op_tflops)
+        ['matmul fp32 1024x384x128 nt @1t']
+    """
+    if not isinstance(spec, DeviceSpec):
+        raise DeviceSpecError(f"calibrate_shapes: spec must be a DeviceSpec, got {spec!r}")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise DeviceSpecError(
+            f"calibrate_shapes: device must be 'cpu' or an available 'cuda', got {device!r}"
+        )
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):  # fmt: skip
+        raise DeviceSpecError(f"calibrate_shapes: threads must be an int >= 1, got {threads!r}")
+    plan = dataclasses.replace(_plan(device, quick=True), repeats=3 if quick else 9)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else None
+    dev = dev or torch.device("cpu")
+    before = torch.get_num_threads()
+    count = threads or before
+    suffix = f" @{count}t" if device == "cpu" else ""
+    table = dict(spec.op_tflops)
+    try:
+        torch.set_num_threads(count)
+        for key in keys:
+            table[key + suffix] = _sig(_shape_tflops(key, dev, plan))
+    finally:
+        torch.set_num_threads(before)
+    return dataclasses.replace(spec, op_tflops=table)
 
 
 def write_calibration(path: str | os.PathLike, **kwargs: Any) -> DeviceSpec:

@@ -123,6 +123,15 @@ class DeviceSpec:
         op_overhead_us: host time each op costs beside its work (dispatch, launch), where it
             adds to the step: a CPU runs it on the cores that compute. A GPU's launches overlap
             the kernels queued before them while the step is large: 0 for the GPU presets.
+        op_tflops: rates measured at given op shapes (:func:`slapo.plan.calibrate.
+            calibrate_shapes`), keyed by :func:`slapo.plan.step_time.shape_key`'s strings (a
+            CPU's with `` @<threads>t``): an op of a measured shape runs at its own rate, not at
+            ``efficiency``'s (small GEMMs and narrow attention heads reach less of the peak).
+        engine_overhead_us: time an engine adds per unit of its work at nothing to compute or
+            move, where it adds to the step: ``fsdp_unit`` (FSDP2's hooks, copy-in/out and
+            casts around one unit's two all-gathers and reduce-scatter, and their latency: the
+            model then charges those collectives their bytes only). Calibrated on a CPU; absent
+            for the GPU presets, whose host work runs ahead of the kernels.
         source: where the numbers come from.
 
     Example:
@@ -141,6 +150,8 @@ class DeviceSpec:
     overlap_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
     op_overhead_us: float = 0.0
     host_link: Link = Link(32.0, 10.0)  # PCIe 4.0 x16 where a device says nothing else
+    op_tflops: dict[str, float] = field(default_factory=dict)
+    engine_overhead_us: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_device(dataclasses.asdict(self), where=f"DeviceSpec {self.name!r}")
@@ -218,6 +229,34 @@ class ClusterSpec:
             return 1.0
         return min(self.threads_per_rank, self.shared_cores / max(1, ranks)) / self.shared_cores
 
+    def thread_share(self, ranks: int) -> float:
+        """The share of its own ``threads_per_rank`` threads one of ``ranks`` ranks gets (1.0
+        unless the ranks' threads outnumber ``shared_cores``): what scales a rate measured at
+        those threads (:attr:`DeviceSpec.op_tflops`).
+
+        Example:
+            >>> cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+            >>> cpu.thread_share(2), cpu.thread_share(8)
+            (1.0, 0.25)
+        """
+        if self.shared_cores == 0:
+            return 1.0
+        cores = self.shared_cores / max(1, ranks)
+        return min(self.threads_per_rank, cores) / self.threads_per_rank
+
+    def host_slowdown(self, ranks: int) -> float:
+        """How much longer one rank's host work (op dispatch, an engine's hooks: one thread)
+        takes when ``ranks`` ranks share ``shared_cores`` cores: 1.0 while each has a core.
+
+        Example:
+            >>> cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+            >>> cpu.host_slowdown(2), cpu.host_slowdown(8)
+            (1.0, 4.0)
+        """
+        if self.shared_cores == 0:
+            return 1.0
+        return max(1.0, ranks / self.shared_cores)
+
     def link_for(self, group_span: int) -> Link:
         """The slowest link a group spanning ``group_span`` consecutive ranks crosses: the
         node's own within a node, the network beyond it."""
@@ -271,6 +310,12 @@ def _check_device(data: Any, where: str) -> None:
     slowdown = data.get("overlap_slowdown", DEFAULT_OVERLAP_SLOWDOWN)
     if _number(slowdown, f"{where}: field 'overlap_slowdown'", positive=False) > 1:
         raise DeviceSpecError(f"{where}: field 'overlap_slowdown' is a fraction <= 1")
+    for name in ("op_tflops", "engine_overhead_us"):
+        table = data.get(name, {})
+        if not isinstance(table, dict):
+            raise DeviceSpecError(f"{where}: field {name!r} must map names to numbers")
+        for key, value in table.items():
+            _number(value, f"{where}: field '{name}.{key}'", positive=name == "op_tflops")
     for kind, value in eff.items():
         if _number(value, f"{where}: field 'efficiency.{kind}'") > 1:
             raise DeviceSpecError(

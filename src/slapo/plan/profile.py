@@ -245,7 +245,7 @@ def _batch(cfg: Any) -> dict[str, torch.Tensor]:
 def _rank_groups(cfg: Any, spec: Any) -> Iterator[tuple[Any, dict[str, Any]]]:
     """The layout and groups one rank of ``spec`` estimates under (as ``estimate_config``)."""
     from ..memory import fake_layout_groups
-    from ..train.layout import Layout
+    from ..train.job_layout import Layout
 
     with contextlib.ExitStack() as ctx:
         layout, groups = Layout(), {}
@@ -257,7 +257,7 @@ def _rank_groups(cfg: Any, spec: Any) -> Iterator[tuple[Any, dict[str, Any]]]:
 
 
 def _fake_step(cfg: Any, spec: Any, optimizer: tuple[Any, dict[str, Any]]) -> tuple[Any, Any]:
-    from ..train.memory import estimate_placement, estimated_schedule
+    from ..train.run_memory import estimate_placement, estimated_schedule
 
     with _rank_groups(cfg, spec) as (layout, groups):
         sch, batch = estimated_schedule(cfg, spec, _batch(cfg), layout, groups)
@@ -271,7 +271,7 @@ def _fake_step(cfg: Any, spec: Any, optimizer: tuple[Any, dict[str, Any]]) -> tu
 
 
 def _whole_schedule(cfg: Any, spec: Any) -> Any:
-    from ..train.memory import estimated_schedule
+    from ..train.run_memory import estimated_schedule
 
     with _rank_groups(cfg, spec) as (layout, groups):
         return estimated_schedule(cfg, spec, _batch(cfg), layout, groups)[0]

@@ -233,7 +233,7 @@ def predict_config(
         ...                   batch_size=2, seq_len=8192, ckpt_ratio=1.0)
         >>> predict_config(cfg, cluster, dp=8).tokens_per_s_per_gpu
     """
-    from ..train.memory import layout_spec
+    from ..train.run_memory import layout_spec
 
     config = _model_config(cfg)
     layers = model_shape(config)["num_hidden_layers"]
@@ -254,7 +254,7 @@ def predict_config(
 def _compiled(cfg: Any) -> bool:
     """Whether the run compiles its blocks or its whole model (``--compile-blocks``, or the
     knob ``slapo train`` resolves: the whole model on one eager process, as recommended)."""
-    from ..train.layout import schedule_knobs
+    from ..train.job_layout import schedule_knobs
 
     knobs = schedule_knobs(cfg)
     return bool(knobs.get("compile_blocks") or knobs.get("compile_model"))

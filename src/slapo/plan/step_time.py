@@ -68,6 +68,7 @@ __all__ = [
     "StepCounts",
     "StepPrediction",
     "predict_step",
+    "shape_key",
     "time_step",
 ]
 
@@ -148,6 +149,50 @@ def _attention_flops(func: Any, args: tuple, kwargs: dict, backward: bool) -> in
     return int(flops * 2.5) if backward else flops
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_GEMMS = {torch.ops.aten.mm: 0, torch.ops.aten.bmm: 0, torch.ops.aten.addmm: 1,
+          torch.ops.aten.baddbmm: 1}  # fmt: skip
+
+
+def shape_key(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The shape an op's rate depends on, as a readable key (``None`` where no rate is measured
+    per shape): ``"matmul fp32 1024x384x128 nt"`` (m x n x k, a batched one ``b x m x n x k``;
+    each operand ``n`` or ``t``, a transposed view),
+    ``"attention fwd fp32 32x128x128x32 causal"`` (batch x heads, query and key length, head
+    dim; ``bwd`` for the backward kernel). :attr:`DeviceSpec.op_tflops` holds rates by these
+    keys; :func:`slapo.plan.calibrate.calibrate_shapes` measures them.
+
+    Example:
+        >>> a, b = torch.ones(64, 32), torch.ones(32, 16)
+        >>> shape_key(torch.ops.aten.mm.default, (a, b), {})
+        'matmul fp32 64x16x32 nn'
+        >>> shape_key(torch.ops.aten.mm.default, (a, b.t().contiguous().t()), {})
+        'matmul fp32 64x16x32 nt'
+    """
+    packet = func._overloadpacket
+    if packet in _GEMMS:
+        first = _GEMMS[packet]
+        a, b = args[first], args[first + 1]
+        dtype = _DTYPE_NAMES.get(a.dtype)
+        if dtype is None:
+            return None
+        dims = [*a.shape[:-1], b.shape[-1], a.shape[-1]]  # (b,) m, n, k
+        # each operand's layout: "t" where it is a transposed view (a linear's weight forward,
+        # its inputs in the weight's gradient): a GEMM's speed depends on it
+        layout = "".join("t" if x.dim() >= 2 and x.stride(-1) != 1 else "n" for x in (a, b))
+        return f"matmul {dtype} " + "x".join(str(int(d)) for d in dims) + f" {layout}"
+    if packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
+        q, k = _arg(func, args, kwargs, "query"), _arg(func, args, kwargs, "key")
+        dtype = _DTYPE_NAMES.get(q.dtype)
+        if dtype is None or q.dim() != 4:
+            return None
+        b, h, s_q, d = (int(n) for n in q.shape)
+        causal = " causal" if _arg(func, args, kwargs, "is_causal", False) else ""
+        way = "bwd" if packet in _ATTENTION_BACKWARD else "fwd"
+        return f"attention {way} {dtype} {b * h}x{s_q}x{int(k.shape[-2])}x{d}{causal}"
+    return None
+
+
 def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, int]:
     """(name, group size, bytes one rank sends) of a functional collective."""
     import torch.distributed as dist
@@ -190,6 +235,8 @@ class StepCounter(TorchDispatchMode):
         flops: ``{(phase, kind): FLOPs}`` for ``matmul`` and ``attention``.
         memory_bytes: ``{phase: bytes}`` read and written by memory-bound ops.
         collectives: ``{(phase, op name, group size): bytes sent per rank}``.
+        shaped_flops: ``{(phase, shape key): FLOPs}`` of the matmuls and attention kernels
+            (:func:`shape_key`): what a rate measured per shape applies to.
 
     Example:
         >>> with StepCounter() as c:
@@ -205,6 +252,7 @@ class StepCounter(TorchDispatchMode):
         self.collectives: dict[tuple[str, str, int], int] = {}
         self.collective_calls: dict[tuple[str, str, int], int] = {}
         self.ops: dict[str, int] = {}
+        self.shaped_flops: dict[tuple[str, str], int] = {}
         self._seen_backward = False
 
     def _phase(self) -> str:
@@ -221,11 +269,13 @@ class StepCounter(TorchDispatchMode):
         if not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
             self.ops[phase] = self.ops.get(phase, 0) + 1
         if packet in _MATMUL_PACKETS and packet in flop_registry:
-            n = flop_registry[packet](*args, **kwargs, out_val=out)
-            self.flops[(phase, "matmul")] = self.flops.get((phase, "matmul"), 0) + int(n)
+            n = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            self.flops[(phase, "matmul")] = self.flops.get((phase, "matmul"), 0) + n
+            self._shaped(phase, func, args, kwargs, n)
         elif packet in _ATTENTION_FORWARD or packet in _ATTENTION_BACKWARD:
             n = _attention_flops(func, args, kwargs, packet in _ATTENTION_BACKWARD)
             self.flops[(phase, "attention")] = self.flops.get((phase, "attention"), 0) + n
+            self._shaped(phase, func, args, kwargs, n)
         elif func.namespace in ("_c10d_functional", "c10d_functional", "c10d"):
             name, size, sent = _collective_bytes(func, args, kwargs)
             key = (phase, name, size)
@@ -235,6 +285,11 @@ class StepCounter(TorchDispatchMode):
             n = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
             self.memory_bytes[phase] = self.memory_bytes.get(phase, 0) + n
         return out
+
+    def _shaped(self, phase: str, func: Any, args: tuple, kwargs: dict, flops: int) -> None:
+        key = shape_key(func, args, kwargs)
+        if key is not None:
+            self.shaped_flops[(phase, key)] = self.shaped_flops.get((phase, key), 0) + flops
 
 
 @dataclass(frozen=True)
@@ -255,13 +310,19 @@ class StepCounts:
     collectives: dict[tuple[str, str, int], int] = field(default_factory=dict)
     collective_calls: dict[tuple[str, str, int], int] = field(default_factory=dict)
     ops: dict[str, int] = field(default_factory=dict)
+    shaped_flops: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, counter: StepCounter) -> StepCounts:
         return cls(
             dict(counter.flops), dict(counter.memory_bytes), dict(counter.collectives),
-            dict(counter.collective_calls), dict(counter.ops),
+            dict(counter.collective_calls), dict(counter.ops), dict(counter.shaped_flops),
         )  # fmt: skip
+
+    def shapes(self) -> list[str]:
+        """The distinct shape keys of the matmuls and attention kernels (what
+        :func:`slapo.plan.calibrate.calibrate_shapes` measures), sorted."""
+        return sorted({key for _, key in self.shaped_flops})
 
     @staticmethod
     def combine(*weighted: tuple[StepCounts, float]) -> StepCounts:
@@ -276,7 +337,7 @@ class StepCounts:
 
         return StepCounts(
             mix("flops"), mix("memory_bytes"), mix("collectives"), mix("collective_calls"),
-            mix("ops"),
+            mix("ops"), mix("shaped_flops"),
         )  # fmt: skip
 
 
@@ -394,6 +455,28 @@ def _roundpipe_seconds(
     return on_devices + exposed + optimizer, devices
 
 
+def _measured_seconds(
+    counts: StepCounts, cluster: ClusterSpec, ranks: int, generic: dict[tuple[str, str], int]
+) -> dict[tuple[str, str], float]:
+    """Seconds by (phase, kind) of the matmuls and attention kernels whose shape the device has
+    a measured rate for (:attr:`DeviceSpec.op_tflops`; a CPU's at the rank's thread count,
+    scaled by its :meth:`~ClusterSpec.thread_share`); their FLOPs leave ``generic``."""
+    table = cluster.device.op_tflops
+    if not table:
+        return {}
+    suffix = f" @{cluster.threads_per_rank}t" if cluster.shared_cores else ""
+    scale = cluster.thread_share(ranks)
+    seconds: dict[tuple[str, str], float] = {}
+    for (phase, key), flops in counts.shaped_flops.items():
+        rate = table.get(key + suffix)
+        kind = key.split(" ", 1)[0]
+        if rate is None or (phase, kind) not in generic:
+            continue
+        seconds[(phase, kind)] = seconds.get((phase, kind), 0.0) + flops / (rate * 1e12 * scale)
+        generic[(phase, kind)] = max(0, generic[(phase, kind)] - flops)
+    return seconds
+
+
 def predict_step(
     sch: Any,
     batch: Any,
@@ -499,10 +582,17 @@ def time_step(
     per_stage = 1.0 / pp
     # ranks sharing one host's cores (a CPU, ClusterSpec.shared_cores) compute at a share of
     # the device's rates; 1.0 with a GPU per rank
-    share = cluster.rank_share(min(dp * pp * tp * cp, cluster.gpus_per_node))
+    ranks = min(dp * pp * tp * cp, cluster.gpus_per_node)
+    share = cluster.rank_share(ranks)
+    host = cluster.host_slowdown(ranks)  # each rank's one-thread host work, when cores are short
     compute: dict[str, float] = {}
     terms: dict[str, float] = {}
-    for (phase, kind), flops in counts.flops.items():
+    generic = dict(counts.flops)
+    if not float8:  # a measured shape's rate, where the device has one (DeviceSpec.op_tflops)
+        for (phase, kind), s in _measured_seconds(counts, cluster, ranks, generic).items():
+            compute[phase] = compute.get(phase, 0.0) + s * per_stage
+            terms[f"{kind} ({phase})"] = s * per_stage
+    for (phase, kind), flops in generic.items():
         rate = dev.achievable_tflops(kind, "fp8" if float8 and kind == "matmul" else dtype)
         s = flops / (rate * 1e12) * per_stage / share
         compute[phase] = compute.get(phase, 0.0) + s
@@ -519,7 +609,7 @@ def time_step(
     if dev.op_overhead_us > 0:  # each op's dispatch, on the host that computes (a CPU)
         for phase, ops in counts.ops.items():
             scale = per_stage * (COMPILE_MEMORY_TRAFFIC if compile and phase != "optimizer" else 1)
-            s = ops * scale * dev.op_overhead_us * 1e-6
+            s = ops * scale * dev.op_overhead_us * 1e-6 * host
             compute[phase] = compute.get(phase, 0.0) + s
             terms[f"op overhead ({phase})"] = s
     slots = num_microbatches + pp - 1 if pp > 1 else 1
@@ -558,14 +648,25 @@ def time_step(
             units = max(1, _units(model) // pp)
             gather_bytes = n_params * (2 if dtype in ("bf16", "fp16") else 4) * ring
             grad_bytes = n_params * torch.empty((), dtype=reduce_dtype).element_size() * ring
-            ag = link.seconds(gather_bytes, efficiency=eff, messages=units * (dp_group - 1))
-            rs = link.seconds(grad_bytes, efficiency=eff, messages=units * (dp_group - 1))
+            # a calibrated unit (DeviceSpec.engine_overhead_us) holds its collectives' latency
+            unit_us = dev.engine_overhead_us.get("fsdp_unit", 0.0)
+            messages = 0 if unit_us else units * (dp_group - 1)
+            ag = link.seconds(gather_bytes, efficiency=eff, messages=messages)
+            rs = link.seconds(grad_bytes, efficiency=eff, messages=messages)
             # the first unit's gather and the last unit's reduce-scatter run alone
             first, last = ag / units, rs / units
             exposed_dp = first + last
             exposed_dp += max(0.0, (ag - first) - fwd) + max(0.0, (ag - first) + (rs - last) - bwd)
+            if unit_us:  # FSDP2's own host work per unit: serial with the compute (a CPU)
+                hooks = units * unit_us * 1e-6 * host
+                exposed_dp += hooks
+                terms["fsdp hooks, copies, latency"] = hooks
             terms["fsdp all-gather (exposed)"] = first + max(0.0, (ag - first) - fwd)
-            terms["fsdp reduce-scatter (exposed)"] = exposed_dp - terms["fsdp all-gather (exposed)"]
+            terms["fsdp reduce-scatter (exposed)"] = (
+                exposed_dp
+                - terms["fsdp all-gather (exposed)"]
+                - terms.get("fsdp hooks, copies, latency", 0)
+            )
             hidden["fsdp all-gather x2"] = 2 * ag
             hidden["fsdp reduce-scatter"] = rs
             overlapped = min(ag - first, fwd) + min((ag - first) + (rs - last), bwd)
@@ -613,6 +714,7 @@ def time_step(
     counts_dict = {
         "flops": dict(counts.flops), "memory_bytes": dict(counts.memory_bytes),
         "collectives": dict(counts.collectives), "hidden_collective_seconds": hidden,
+        "shapes": counts.shapes(),
     }  # fmt: skip
     return StepPrediction(
         seconds=seconds, tokens_per_s_per_gpu=tokens_per_gpu, mfu=mfu, memory_bytes=reserved,

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..exceptions import PrimitiveError, SlapoError
+from ..exceptions import PrimitiveError
 from ..schedule import Primitive, Schedule, register_primitive
 from ..surgery import forward_wraps, label, wrap_forward
-from .compile_rng import RNG_MODES, inductor_backend
+from .compile_rng import RNG_MODES, CompileError, inductor_backend
 
 __all__ = ["CompileError", "CompilePrimitive", "COMPILE_MODES"]
 
@@ -22,10 +22,6 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 # same code object (blocks differ in their class, which the guards check), so torch's default
 # limit of 8 entries would make the ninth block fall back to eager: the limit follows this count.
 _applied = 0
-
-
-class CompileError(SlapoError, RuntimeError):
-    """A module scheduled with ``compile`` could not be compiled (raised at its first call)."""
 
 
 def _compile_failures() -> tuple[type[BaseException], ...]:

@@ -27,9 +27,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["RNG_MODES", "inductor_backend"]
+from ..exceptions import SlapoError
+
+__all__ = ["RNG_MODES", "CompileError", "inductor_backend"]
 
 RNG_MODES = ("eager", "bulk", "inductor")
+
+
+class CompileError(SlapoError, RuntimeError):
+    """A module scheduled with ``compile`` could not be compiled (raised at its first call).
+
+    It lives here, beside the backends that raise it; :mod:`slapo.primitives.compile` exports it."""
 
 
 def inductor_backend(rng: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
@@ -83,7 +91,7 @@ def _bulk_marker(inner: Any) -> Any:
             dropout = torch.ops.aten.native_dropout.default
             left = [n for n in graph.nodes if n.target is dropout]
             if left:  # the decomposition table did not reach them: they would draw eager masks
-                raise RuntimeError(
+                raise CompileError(
                     f"compile(rng='bulk'): {len(left)} dropout op(s) escaped the bulk "
                     "decomposition; use rng='eager'"
                 )

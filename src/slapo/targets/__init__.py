@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from . import ddp, deepspeed, eager, fsdp, pipeline, roundpipe  # noqa: F401  (registration)
 from .contract import train_step
-from .registry import (
+from .target_registry import (
     TargetRecord,
     get_dialect_cls,
     get_record,

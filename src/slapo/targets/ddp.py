@@ -13,7 +13,7 @@ from ..sharding.expert_grads import expert_param_names
 from ..surgery import carry_signature
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

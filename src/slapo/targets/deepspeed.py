@@ -47,7 +47,7 @@ from ..primitives.cut_pipeline_stage import pipeline_cuts
 from ..surgery import carry_signature
 from .common import OptimizerSpec, as_process_group, make_optimizer, require_distributed
 from .contract import Batch, output_loss, split_batch
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

@@ -10,7 +10,7 @@ from torch import nn
 from ..precision import PRECISIONS, Precision
 from .common import OptimizerSpec, make_optimizer
 from .mixed_precision import autocast_forward, device_type_of, with_loss_scaling
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

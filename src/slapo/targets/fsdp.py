@@ -19,7 +19,7 @@ from .common import (
     require_distributed,
 )
 from .mixed_precision import device_type_of, with_loss_scaling
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

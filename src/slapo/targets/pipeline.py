@@ -46,7 +46,7 @@ from .common import (
 )
 from .contract import TARGET_KEY, Batch, split_batch
 from .mixed_precision import LossScaledOptimizer, autocast_forward
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

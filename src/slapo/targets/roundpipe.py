@@ -19,7 +19,7 @@ from ..primitives.cut_pipeline_stage import pipeline_cuts
 from ..surgery import carry_signature
 from .common import OptimizerSpec, make_optimizer
 from .mixed_precision import GRAD_SCALER_ATTR
-from .registry import register_target
+from .target_registry import register_target
 
 if TYPE_CHECKING:
     from ..schedule import Schedule

@@ -32,14 +32,14 @@ Example:
 
 from __future__ import annotations
 
-from .cli import add_parser
 from .config import InputError, TrainConfig
 from .inputs import RunInputs, prepare_inputs
-from .layout import Layout, setup_layout
+from .job_layout import Layout, setup_layout
 from .loop import Runner, make_batches, run_once, train
-from .memory import PeakMemory
 from .presets import MODELS, PRESETS, build_model, default_schedule
 from .report import format_summary, write_outputs
+from .run_memory import PeakMemory
+from .train_cli import add_parser
 from .uses import TARGET_USES, target_choices
 
 #: ``--target``'s choices (:func:`~slapo.train.uses.target_choices`: the registered build targets

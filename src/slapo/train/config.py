@@ -1,7 +1,7 @@
 """The options of the main job: one dataclass whose fields are the ``slapo train`` flags.
 
 Each field carries its help text and constraints in ``metadata`` (see :func:`option`); the
-command line (``slapo.train.cli``) and :meth:`TrainConfig.check` are generated from them.
+command line (``slapo.train.train_cli``) and :meth:`TrainConfig.check` are generated from them.
 
 Example:
     >>> cfg = TrainConfig(model="gpt2", steps=3)

@@ -21,8 +21,8 @@ import torch
 from ..data import VOCAB_SIZE, default_corpus
 from ..exceptions import InputError
 from .config import TrainConfig
-from .generic import check_knobs
-from .layout import schedule_family
+from .generic_schedule import check_knobs
+from .job_layout import schedule_family
 from .model_source import ModelSource, check_weights, config_for, max_positions, resolve_model
 from .token_cache import TokenData, load_tokens, tokens_of_text
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer

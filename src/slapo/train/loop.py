@@ -1,7 +1,7 @@
 """The training loop of the main job: the same for every build target.
 
 A :class:`Runner` builds the scheduled model for ``cfg.target`` (with the options
-:data:`~slapo.train.layout.TARGET_USES` lists) and then runs the training-loop contract of
+:data:`~slapo.train.job_layout.TARGET_USES` lists) and then runs the training-loop contract of
 :mod:`slapo.targets.contract`: ``slapo.train_step(model, batch)``, ``optimizer.step()``,
 ``optimizer.zero_grad()``. Nothing in the loop names a target.
 
@@ -37,14 +37,14 @@ from ..throughput import device_peak_tflops, mfu, model_flops_per_token
 from .config import TrainConfig
 from .evaluation import Evaluator, eval_batches, wants_eval
 from .events import Events, open_events
-from .generic import describe_plan
+from .generic_schedule import describe_plan
 from .inputs import RunInputs, prepare_inputs
-from .layout import Layout, schedule_for, schedule_knobs, setup_layout
+from .job_layout import Layout, schedule_for, schedule_knobs, setup_layout
 from .lr_schedule import make_scheduler
-from .memory import PeakMemory, estimate_run, estimated_peak_mb, local_part
 from .presets import build_model
 from .report import write_outputs
 from .run import ResolvedRun, resolve_run
+from .run_memory import PeakMemory, estimate_run, estimated_peak_mb, local_part
 from .sample import sample_text
 from .state import (
     RunState,

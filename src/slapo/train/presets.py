@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..data import VOCAB_SIZE
-from ..exceptions import SlapoError
+from ..exceptions import ConfigError, SlapoError
 from ..model_schedule import apply_schedule
 from ..schedule import Schedule
 
@@ -106,7 +106,7 @@ def default_schedule(model: nn.Module, ckpt_ratio: float = 0.5, **knobs: Any) ->
         return apply_schedule(model, ckpt_ratio=ckpt_ratio, **knobs)
     except SlapoError as exc:
         if "ckpt_ratio" in str(exc):
-            raise ValueError(str(exc)) from exc
+            raise ConfigError(str(exc)) from exc
         raise
 
 

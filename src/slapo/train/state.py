@@ -1,6 +1,6 @@
 """``--save`` / ``--save-every`` / ``--resume``: checkpoints of a run, with no pickle anywhere.
 
-A checkpoint directory (the ``full`` layout, :class:`~slapo.train.layout.TargetUse`) is a Hugging
+A checkpoint directory (the ``full`` layout, :class:`~slapo.train.job_layout.TargetUse`) is a Hugging
 Face model directory that also holds the training state::
 
     config.json, model.safetensors   # the full weights (gathered under --tp): from_pretrained
@@ -389,7 +389,7 @@ def _saved_model(run: RunState) -> Any:
     """What ``save_checkpoint`` reads: an engine that holds its own layout (a pipeline's
     stages, DeepSpeed's ZeRO partitions, RoundPipe's optimizer copies), else the schedule's
     module (its tensor-parallel shards carry their specs, FSDP2's are DTensors)."""
-    from ..checkpoints.layout import holds_layout
+    from ..checkpoints.model_layout import holds_layout
 
     return run.model if holds_layout(run.model) else run.module
 

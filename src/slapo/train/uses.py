@@ -28,7 +28,7 @@ from .presets import CAUSAL, MODELS, causal_lm_loss
 
 if TYPE_CHECKING:
     from .config import TrainConfig
-    from .layout import Layout
+    from .job_layout import Layout
 
 __all__ = [
     "DEEPSPEED_ZERO_STAGE",

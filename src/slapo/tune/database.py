@@ -13,12 +13,10 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from .errors import DatabaseCorruptError, TuneTypeError
+
 _FORMAT = "slapo-tune-db"
 _VERSION = 1
-
-
-class DatabaseCorruptError(ValueError):
-    """The database file exists but is not a valid Slapo tuning database."""
 
 
 class Database:
@@ -35,7 +33,7 @@ class Database:
 
     def __init__(self, db_file_name: str | os.PathLike[str] | None = None) -> None:
         if db_file_name is not None and not isinstance(db_file_name, (str, os.PathLike)):
-            raise TypeError(
+            raise TuneTypeError(
                 f"db_file_name must be a path or None, got db_file_name={db_file_name!r}"
             )
         self.db_file_name = os.fspath(db_file_name) if db_file_name is not None else None
@@ -86,11 +84,11 @@ class Database:
         kept: the file is re-read (and checked) just before it is replaced.
         """
         if not isinstance(key, str):
-            raise TypeError(f"key must be a str, got key={key!r} ({type(key).__name__})")
+            raise TuneTypeError(f"key must be a str, got key={key!r} ({type(key).__name__})")
         try:
             json.dumps(data, allow_nan=False)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"data for key {key!r} is not JSON-serializable: {e}") from e
+            raise TuneTypeError(f"data for key {key!r} is not JSON-serializable: {e}") from e
         if self.db_file_name:
             merged = self._read()  # raises before writing if the file went bad meanwhile
             merged.update(self.db)

@@ -26,6 +26,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from .errors import TuneValueError
 from .space import Value
 
 __all__ = [
@@ -65,7 +66,7 @@ def config_to_flags(cfg: Mapping[str, Value]) -> list[str]:
 
 def _size(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"layout symbol {name!r} must be a positive int, got {value!r}")
+        raise TuneValueError(f"layout symbol {name!r} must be a positive int, got {value!r}")
     return value
 
 
@@ -164,14 +165,14 @@ def check_launchable(command: Sequence[str]) -> None:
     Example:
         >>> check_launchable(["torchrun", "--nproc-per-node", "2", "-m", "slapo", "train"])
         Traceback (most recent call last):
-        ValueError: ... drop the launcher: ...
+        slapo.tune.errors.TuneValueError: ... drop the launcher: ...
     """
     for i, tok in enumerate(command):
         launcher = os.path.basename(tok) == "torchrun" or (
             i > 0 and command[i - 1] == "-m" and tok in _LAUNCHERS
         )
         if launcher:
-            raise ValueError(
+            raise TuneValueError(
                 f"the command runs under {tok}, and the tuning space has layout symbols "
                 f"({', '.join(LAYOUT_SYMBOLS)}): drop the launcher: slapo tune starts each "
                 "trial on dp * pp * cp * tp processes"

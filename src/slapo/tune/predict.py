@@ -5,7 +5,7 @@ Each configuration is predicted before any trial (:func:`slapo.plan.predict_conf
 command predictor ``slapo.train`` registers: fake steps, nothing allocated): the exhaustive
 strategy then measures them in the order of their predicted tokens/s, so that a ``--budget`` of
 trials spends itself on the likeliest winners, and one whose predicted memory exceeds the device
-is skipped with that reason (the memory screen of :mod:`slapo.tune.memory`, the prediction's
+is skipped with that reason (the memory screen of :mod:`slapo.tune.memory_budget`, the prediction's
 memory estimate as its estimate).
 
 Example:

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .errors import SymbolIndexError, TuneTypeError, TuneValueError
+
 logger = logging.getLogger("slapo.tune")
 
 #: A value a symbol may take: it becomes a command-line flag and part of a JSON key.
@@ -49,21 +51,23 @@ class Symbol:
 
     def __init__(self, name: str, vals: Sequence[Value]) -> None:
         if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(f"Symbol name must be a Python identifier string, got name={name!r}")
+            raise TuneTypeError(
+                f"Symbol name must be a Python identifier string, got name={name!r}"
+            )
         if isinstance(vals, (str, bytes)) or not isinstance(vals, (Sequence, range)):
-            raise TypeError(
+            raise TuneTypeError(
                 f"Symbol {name!r}: vals must be a list, tuple or range of candidates, "
                 f"got vals={vals!r}"
             )
         vals = list(vals)
         for v in vals:
             if not isinstance(v, _SCALARS):
-                raise TypeError(
+                raise TuneTypeError(
                     f"Symbol {name!r}: every candidate in vals must be an int, float, str, bool "
                     f"or None (it becomes a command-line flag), got {v!r} ({type(v).__name__})"
                 )
         if len({json.dumps(v) for v in vals}) != len(vals):
-            raise ValueError(f"Symbol {name!r}: vals has duplicate candidates: {vals!r}")
+            raise TuneValueError(f"Symbol {name!r}: vals has duplicate candidates: {vals!r}")
         self.name = name
         self.vals: list[Value] = vals
         self.fixed_idx: int | None = None
@@ -71,7 +75,9 @@ class Symbol:
     def fix_at(self, idx: int) -> None:
         """Fix the symbol to its ``idx``-th candidate."""
         if not 0 <= idx < len(self.vals):
-            raise IndexError(f"Symbol {self.name!r}: idx={idx} out of range for {self.vals!r}")
+            raise SymbolIndexError(
+                f"Symbol {self.name!r}: idx={idx} out of range for {self.vals!r}"
+            )
         self.fixed_idx = idx
 
     def is_fixed(self) -> bool:
@@ -112,7 +118,7 @@ class Space:
 
     def __init__(self, update_space: UpdateSpaceFn | None = None, args: Any = None) -> None:
         if update_space is not None and not callable(update_space):
-            raise TypeError(f"update_space must be callable, got update_space={update_space!r}")
+            raise TuneTypeError(f"update_space must be callable, got update_space={update_space!r}")
         self.space: dict[str, Symbol] = {}
         self.update_space = update_space
         self.args = args
@@ -171,7 +177,9 @@ class Space:
         nxt._touched = {}
         ret = self.update_space(self.args, nxt)
         if ret is not None and ret is not nxt:
-            raise TypeError(f"update_space must return the Space it was given or None, got {ret!r}")
+            raise TuneTypeError(
+                f"update_space must return the Space it was given or None, got {ret!r}"
+            )
         touched = nxt._touched
         # Keep this pass's creation order; a symbol created on an earlier pass but not on
         # this one belongs to another branch and is dropped.

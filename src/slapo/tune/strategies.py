@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from .errors import TuneTypeError, TuneValueError
 from .model import GaussianProcess, encode, expected_improvement, feasibility
 from .space import Value
 
@@ -33,7 +34,7 @@ class Strategy:
 
     def __init__(self, configs: Sequence[Mapping[str, Value]], seed: int = 0) -> None:
         if not isinstance(seed, int) or isinstance(seed, bool):
-            raise TypeError(f"seed must be an int, got seed={seed!r}")
+            raise TuneTypeError(f"seed must be an int, got seed={seed!r}")
         self.configs = list(configs)
         self.seed = seed
 
@@ -144,5 +145,5 @@ def make_strategy(name: str, configs: Sequence[Mapping[str, Value]], seed: int =
         0
     """
     if name not in STRATEGIES:
-        raise ValueError(f"unknown strategy={name!r}; choose one of {sorted(STRATEGIES)}")
+        raise TuneValueError(f"unknown strategy={name!r}; choose one of {sorted(STRATEGIES)}")
     return STRATEGIES[name](configs, seed=seed)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .errors import TuneValueError
 from .launch import config_to_flags, launch_argv, layout_processes
 from .space import Value
 
@@ -240,9 +241,9 @@ def run_trial(
         4.0
     """
     if not command:
-        raise ValueError("command must not be empty")
+        raise TuneValueError("command must not be empty")
     if timeout <= 0:
-        raise ValueError(f"timeout must be positive, got timeout={timeout!r}")
+        raise TuneValueError(f"timeout must be positive, got timeout={timeout!r}")
     argv = launch_argv(command, cfg)
     procs = layout_processes(cfg, command)
     grace = 0.0 if procs is None else _LAUNCHER_GRACE_S

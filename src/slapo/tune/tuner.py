@@ -15,20 +15,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from ..exceptions import SlapoError
 from .database import Database
+from .errors import TuneError, TuneTypeError, TuneValueError
 from .launch import check_launchable, layout_processes
-from .memory import SKIPPED, Estimator, required_bytes
+from .memory_budget import SKIPPED, Estimator, required_bytes
 from .space import Space, Value, config_key
 from .strategies import STRATEGIES, make_strategy
 from .trial import run_trial
 
 DIRECTIONS = ("maximize", "minimize")
 logger = logging.getLogger("slapo.tune")
-
-
-class TuneError(SlapoError, RuntimeError):
-    """A tuning run cannot start or go on (empty space, bad options, ...)."""
 
 
 class TuneInterrupted(KeyboardInterrupt):
@@ -82,7 +78,7 @@ class Tuner:
 
     With ``memory_budget`` (bytes), ``estimate(cfg)`` (bytes, a ``MemoryEstimate`` or None)
     screens every configuration still to measure before the first trial: those that need more
-    are recorded as ``"skipped"`` with the reason and never run (see :mod:`slapo.tune.memory`).
+    are recorded as ``"skipped"`` with the reason and never run (see :mod:`slapo.tune.memory_budget`).
 
     A configuration with layout symbols (``tp``, ``pp``, ``cp``, ``dp``) runs on
     ``dp * pp * cp * tp`` processes under torchrun (:mod:`slapo.tune.launch`); with ``max_procs``, those needing more
@@ -120,36 +116,42 @@ class Tuner:
         max_procs: int | None = None,
     ) -> None:
         if isinstance(command, str) or not command or not all(isinstance(c, str) for c in command):
-            raise TypeError(f"command must be a non-empty list of strings, got command={command!r}")
+            raise TuneTypeError(
+                f"command must be a non-empty list of strings, got command={command!r}"
+            )
         if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy={strategy!r}; choose one of {sorted(STRATEGIES)}")
+            raise TuneValueError(
+                f"unknown strategy={strategy!r}; choose one of {sorted(STRATEGIES)}"
+            )
         if direction not in DIRECTIONS:
-            raise ValueError(f"direction must be one of {DIRECTIONS}, got direction={direction!r}")
+            raise TuneValueError(
+                f"direction must be one of {DIRECTIONS}, got direction={direction!r}"
+            )
         if budget is not None and (not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"budget must be a positive int or None, got budget={budget!r}")
+            raise TuneValueError(f"budget must be a positive int or None, got budget={budget!r}")
         if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(
+            raise TuneValueError(
                 f"timeout must be a positive number of seconds, got timeout={timeout!r}"
             )
         if not isinstance(db, Database):
-            raise TypeError(f"db must be a slapo.tune.Database, got db={db!r}")
+            raise TuneTypeError(f"db must be a slapo.tune.Database, got db={db!r}")
         if memory_budget is not None and (
             isinstance(memory_budget, bool) or not isinstance(memory_budget, int)
             or memory_budget < 1
         ):  # fmt: skip
-            raise ValueError(
+            raise TuneValueError(
                 f"memory_budget must be a positive number of bytes or None, got {memory_budget!r}"
             )
         if memory_budget is not None and not callable(estimate):
             raise TuneError(
                 "memory_budget needs estimate=cfg -> bytes: for a slapo train command, "
-                "slapo.train.cli.train_estimator(command); otherwise define "
+                "slapo.train.train_cli.train_estimator(command); otherwise define "
                 "estimate_memory(args, cfg) in the --config file"
             )
         if max_procs is not None and (
             isinstance(max_procs, bool) or not isinstance(max_procs, int) or max_procs < 1
         ):
-            raise ValueError(f"max_procs must be a positive int or None, got {max_procs!r}")
+            raise TuneValueError(f"max_procs must be a positive int or None, got {max_procs!r}")
         self.configs = list(space)
         if not self.configs:
             raise TuneError("the tuning space has no valid configuration")

@@ -24,16 +24,16 @@ from typing import Any, get_type_hints
 
 import torch.distributed as dist
 
-from ..exceptions import SlapoError
-from ..tune.memory import Estimator, register_command_estimator, train_argv
+from ..exceptions import ConfigError, SlapoError
+from ..tune.memory_budget import Estimator, register_command_estimator, train_argv
 from ..tune.predict import register_command_predictor
 from ..tune.space import Value
 from ..tune.trial import config_to_flags
 from .config import InputError, TrainConfig
 from .loop import train
-from .memory import estimate_config
 from .model_source import model_label
 from .report import format_summary
+from .run_memory import estimate_config
 
 __all__ = [
     "add_parser", "config_from_args", "train_estimator", "train_predictor", "trial_config",
@@ -220,12 +220,12 @@ def trial_config(argv: Sequence[str], cfg: Mapping[str, Value]) -> tuple[TrainCo
     try:
         args = parser.parse_args(["train", *argv, *flags])
     except (argparse.ArgumentError, SystemExit) as exc:
-        raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+        raise ConfigError(f"the trial's slapo train flags do not parse: {exc}") from exc
     train_cfg = config_from_args(args)
     try:
         train_cfg.check()
     except InputError as exc:  # as argparse's own errors above
-        raise ValueError(f"the trial's slapo train flags do not parse: {exc}") from exc
+        raise ConfigError(f"the trial's slapo train flags do not parse: {exc}") from exc
     return train_cfg, None if dp is None else int(dp)
 
 

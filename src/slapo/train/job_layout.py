@@ -25,7 +25,7 @@ from ..exceptions import SlapoError
 from ..schedule import Schedule, create_schedule
 from ..sharding.mesh import check_sizes, init_parallel_mesh
 from .config import TrainConfig, knob_fields
-from .generic import GENERIC_KNOBS, generic_schedule
+from .generic_schedule import GENERIC_KNOBS, generic_schedule
 from .model_source import resolve_model
 from .presets import MODELS, default_schedule
 from .run import ResolvedRun, resolve_run
@@ -227,7 +227,7 @@ def check_context_expert(cfg: TrainConfig, target: str) -> None:
 def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, Any]:
     """The ready schedule's knobs of a ``slapo train`` run: the family's recommended knobs
     (``slapo.model_schedule.recommended_knobs``, measured on CPU; the generic plan's
-    :data:`~slapo.train.generic.GENERIC_KNOBS` for a model type without a ready schedule) under
+    :data:`~slapo.train.generic_schedule.GENERIC_KNOBS` for a model type without a ready schedule) under
     those ``cfg`` sets.
 
     The whole-model compilation is recommended on the ``eager`` target of one process without
@@ -260,7 +260,7 @@ def schedule_knobs(cfg: TrainConfig, layout: Layout | None = None) -> dict[str, 
 def schedule_for(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: bool) -> Schedule:
     """The schedule ``slapo train`` runs ``model`` with: the family's ready schedule set from
     ``cfg``'s knobs (:func:`schedule_knobs`; tensor-parallel over the layout's group), the
-    generic plan (:mod:`~slapo.train.generic`) for a model type without one, or none when not
+    generic plan (:mod:`~slapo.train.generic_schedule`) for a model type without one, or none when not
     ``scheduled``.
 
     Example:

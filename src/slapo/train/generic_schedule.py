@@ -1,4 +1,4 @@
-"""The main job's side of the generic plan (:mod:`slapo.model_schedule.generic`): a model type
+"""The main job's side of the generic plan (:mod:`slapo.model_schedule.generic_plan`): a model type
 without a ready schedule is scheduled with it, and a flag it cannot take fails before any
 training, naming the flag.
 

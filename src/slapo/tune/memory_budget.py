@@ -10,7 +10,7 @@ Where the estimate comes from:
 * the ``--config`` file's ``estimate_memory(args, cfg)``, when it defines one: it returns bytes, a
   :class:`~slapo.memory.MemoryEstimate`, or None (unknown: the configuration runs);
 * otherwise, for a ``slapo train`` command, what ``slapo train`` would build with the command's
-  flags and the configuration's (:func:`slapo.train.memory.train_estimator`, registered with
+  flags and the configuration's (:func:`slapo.train.run_memory.train_estimator`, registered with
   :func:`register_command_estimator`; ``--tp N`` is one rank of N). A layout (``tp``, ``pp``,
   ``dp`` symbols, see :mod:`slapo.tune.launch`) is estimated per rank, for the rank that needs the
   most: a dp2 x pp2 layout that fits the budget fits it on each of its 4 processes.
@@ -26,6 +26,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .errors import TuneTypeError
 from .space import Value
 
 __all__ = [
@@ -60,7 +61,7 @@ def required_bytes(estimate: Any) -> int | None:
     required = getattr(estimate, "required", None)
     if isinstance(required, int) and not isinstance(required, bool):
         return required
-    raise TypeError(
+    raise TuneTypeError(
         "a memory estimate must be a number of bytes (int >= 0), a slapo MemoryEstimate or "
         f"None (unknown), got {estimate!r}"
     )

@@ -20,7 +20,8 @@ import threading
 import torch
 from torch import nn
 
-from ..devices.threads import RunState, wait_until
+from ..errors import RoundPipeRuntimeError
+from .threads import RunState, wait_until
 
 __all__ = ["LayerAttribute", "ParamAttribute"]
 
@@ -163,7 +164,7 @@ class LayerAttribute:
                 if g is None:
                     continue
                 if attr.optim is None:
-                    raise RuntimeError(
+                    raise RoundPipeRuntimeError(
                         f"{self.name}: a parameter of shape {tuple(p.shape)} received a gradient "
                         "but has no optimizer copy: it was frozen (requires_grad=False) when the "
                         "model was wrapped. Set requires_grad before wrapping the model with "

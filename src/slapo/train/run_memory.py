@@ -348,7 +348,7 @@ def estimated_schedule(
         ...     sch, local = estimated_schedule(cfg, layout_spec(cfg), batch, Layout(), groups)
     """
     from ..initialization import init_empty_weights
-    from .layout import schedule_for  # the very schedule slapo train builds from cfg
+    from .job_layout import schedule_for  # the very schedule slapo train builds from cfg
     from .presets import build_model
 
     with init_empty_weights():
@@ -420,7 +420,7 @@ def estimate_config(
 
     from ..data import ByteBatches, MaskedByteBatches, default_corpus
     from ..memory import fake_layout_groups
-    from .layout import Layout
+    from .job_layout import Layout
 
     cfg.check()
     if cfg.compare:  # the run trains the unscheduled baseline too: the larger of the two counts

@@ -8,8 +8,8 @@ The config file defines ``update_space(args, space)``; ``args`` holds the flags 
 training command (``--model gpt2`` -> ``args["model"] == args.model == "gpt2"``). With
 ``--memory-budget 8GiB``, configurations whose estimated memory exceeds it are skipped before any
 trial runs: the config file's ``estimate_memory(args, cfg)`` estimates them, or, for a
-``slapo train`` command, slapo itself (see :mod:`slapo.tune.memory`; ``slapo tune`` registers
-it, the standalone ``python -m slapo.tune.cli`` does not).
+``slapo train`` command, slapo itself (see :mod:`slapo.tune.memory_budget`; ``slapo tune`` registers
+it, the standalone ``python -m slapo.tune.tune_cli`` does not).
 
 Layouts are symbols too: a configuration with ``tp``, ``pp``, ``cp`` or ``dp`` runs its trial under
 torchrun on ``dp * pp * cp * tp`` processes (:mod:`slapo.tune.launch`; ``--max-procs`` skips those
@@ -31,7 +31,7 @@ from typing import Any
 from ..memory import memory_size_arg
 from .database import Database, DatabaseCorruptError
 from .launch import layout_processes
-from .memory import Estimator, command_estimator, required_bytes
+from .memory_budget import Estimator, command_estimator, required_bytes
 from .predict import command_predictor, rank_by_prediction
 from .report import best_table, plot_search
 from .space import Space, UpdateSpaceFn, config_key
@@ -142,8 +142,8 @@ def _predicted(
     """``--predict``: the space's configurations fastest predicted first, and (without a
     ``--memory-budget``) the device's memory as the budget, the predictions' estimates as the
     estimate. Raises :class:`TuneError` for a command the planner cannot predict."""
-    from ..plan.cli import GPU_NAMES
     from ..plan.hardware import PRESETS, ClusterSpec, load_device
+    from ..plan.plan_cli import GPU_NAMES
 
     name = GPU_NAMES.get(str(args.predict).lower())
     device = PRESETS[name] if name else load_device(args.predict)
@@ -369,7 +369,7 @@ def _dry_run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``tune`` as a standalone program (``python -m slapo.tune.cli``)."""
+    """Run ``tune`` as a standalone program (``python -m slapo.tune.tune_cli``)."""
     parser = configure_parser(argparse.ArgumentParser(prog="slapo tune", description=HELP))
     args = parser.parse_args(argv)
     return args.func(args)

@@ -1,5 +1,5 @@
 """The registry of family schedules, keyed by ``model.config.model_type``; every other model gets
-the generic plan (:mod:`~slapo.model_schedule.generic`)."""
+the generic plan (:mod:`~slapo.model_schedule.generic_plan`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from ..exceptions import SlapoError
 from ..schedule import Schedule, create_schedule
-from .generic import GENERIC_KNOBS, generic_plan
+from .generic_plan import GENERIC_KNOBS, generic_plan
 from .knobs import LAYOUT_KNOBS, Knobs, recommended_knobs
 from .published import CONTEXT_KNOBS, translate_published_knobs
 
@@ -112,7 +112,7 @@ def apply_schedule(
     With no knobs but the layout ones (``group``, ``sequence_parallel``, ``num_stages``) it
     applies the *recommended* schedule: the family's best measured knobs
     (:func:`~slapo.model_schedule.knobs.recommended_knobs`; the generic plan's
-    :data:`~slapo.model_schedule.generic.GENERIC_KNOBS` otherwise), the whole-model compilation
+    :data:`~slapo.model_schedule.generic_plan.GENERIC_KNOBS` otherwise), the whole-model compilation
     left out with tensor or pipeline parallelism. Any other knob given means exact control: the
     knobs not given keep their plain defaults (nothing applied).
 
