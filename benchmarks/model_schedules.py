@@ -44,9 +44,9 @@ import torch
 
 import slapo
 from slapo.model_schedule import apply_schedule, recommended_knobs
-from slapo.model_schedule.space import FUSIBLE
 from slapo.train import MODELS, PeakMemory, TrainConfig
 from slapo.train.presets import build_model
+from slapo.tune.schedule_space import FUSIBLE
 
 SCHEDULES: dict[str, Any] = {
     "default": recommended_knobs,

@@ -9,4 +9,4 @@ and reads its last JSON line, ``{"throughput": tokens/s, ...}``. ``--baseline-st
 --no-sample``: a trial needs neither the eager baseline nor the text at the end.
 """
 
-from slapo.model_schedule import update_space  # noqa: F401  (slapo tune calls update_space)
+from slapo.tune.schedule_space import update_space  # noqa: F401  (slapo tune calls update_space)

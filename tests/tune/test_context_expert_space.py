@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import sys
 
-from slapo.model_schedule.space import CONTEXT_PARALLEL_FIXED, layout_space, tuning_space
 from slapo.train.train_cli import train_estimator
 from slapo.tune import Space
 from slapo.tune.launch import expert_sizes, launch_argv, layout_processes
+from slapo.tune.schedule_space import CONTEXT_PARALLEL_FIXED, layout_space, tuning_space
 
 
 def test_cp_takes_processes_and_stays_a_flag():

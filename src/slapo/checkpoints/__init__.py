@@ -24,10 +24,13 @@ directory swap and its crash recovery), :mod:`.layout` (what a rank holds and ho
 maps onto it), :mod:`.optim` (optimizer state by parameter name), :mod:`.io` (save and load).
 
 Example:
+    >>> import slapo
+    >>> import transformers
     >>> slapo.save_checkpoint(engine, "ckpt", optimizer)    # every rank of any layout
     >>> transformers.AutoModelForCausalLM.from_pretrained("ckpt")
 """
 
+from . import optim  # noqa: F401  (registers ZeRO's master weights with model_layout)
 from .format import FORMAT, MARKER, TREE_FORMAT, CheckpointError
 from .io import (
     dtensor_like,

@@ -41,6 +41,7 @@ from ..sharding.spec import ShardSpec, get_shard_spec
 from .format import CheckpointError
 
 __all__ = [
+    "ENGINE_MASTERS",
     "ModelLayout",
     "agree",
     "holds_layout",
@@ -52,6 +53,11 @@ __all__ = [
     "same_everywhere",
     "world",
 ]
+
+#: ``add(engine, layout)`` for an engine whose optimizer holds the master weights (DeepSpeed
+#: ZeRO's float32 partitions under bf16/fp16): puts them in ``layout.masters``. :mod:`.optim`
+#: registers ZeRO's (it builds on this module, which therefore does not import it).
+ENGINE_MASTERS: list[Callable[[Any, ModelLayout], None]] = []
 
 
 # ----- ranks ------------------------------------------------------------------------------------
@@ -371,9 +377,8 @@ def model_layout(model: Any) -> ModelLayout:
     state = model.state_dict(keep_vars=True)
     layout = ModelLayout([model], model, None, tied_aliases(state))
     if engine is not None:  # bf16/fp16: the checkpoint keeps ZeRO's float32 master weights
-        from .optim import zero_masters  # deferred: optim builds on this module
-
-        zero_masters(engine, layout)
+        for add_masters in ENGINE_MASTERS:
+            add_masters(engine, layout)
     return layout
 
 

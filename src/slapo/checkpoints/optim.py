@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .format import CheckpointError, jsonable
-from .model_layout import ModelLayout
+from .model_layout import ENGINE_MASTERS, ModelLayout
 
 __all__ = ["OptimizerView", "TorchOptimizerView", "ZeroOptimizerView", "optimizer_view"]
 
@@ -269,3 +269,6 @@ def zero_masters(engine: Any, layout: ModelLayout) -> None:
                 p.copy_(master)
 
     layout.after_load = scatter_loaded
+
+
+ENGINE_MASTERS.append(zero_masters)

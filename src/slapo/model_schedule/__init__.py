@@ -6,9 +6,10 @@ plan (its blocks found from ``_no_split_modules``, tensor parallelism from its o
 ``base_model_tp_plan`` or inferred). Every plan applies its concerns in one order: tensor
 parallelism (a :class:`TPPlan`, data applied by :func:`apply_tp_plan`), the attention kernel,
 checkpointing, compilation, pipeline cuts (``helpers.apply_shared_knobs``). With no knobs it is
-the recommended schedule. Every knob is also a tuning symbol (:func:`tuning_space`).
+the recommended schedule. Every knob is also a tuning symbol (:func:`slapo.tune.schedule_space.tuning_space`).
 
 Example:
+    >>> import slapo
     >>> from slapo.model_schedule import apply_schedule
     >>> sch = apply_schedule(model)                        # the recommended schedule
     >>> sch = apply_schedule(model, ckpt_ratio=0.5)        # exactly this, nothing else
@@ -35,7 +36,6 @@ from .schedule_registry import (
     list_families,
     register_schedule,
 )
-from .space import tuning_space, update_space
 from .tp_plan import STYLES, TPPlan, apply_tp_plan, from_hf_plan
 
 __all__ = [
@@ -57,6 +57,4 @@ __all__ = [
     "list_families",
     "recommended_knobs",
     "register_schedule",
-    "tuning_space",
-    "update_space",
 ]

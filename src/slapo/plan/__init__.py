@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from . import tune_predictor  # noqa: F401, E402  (registers slapo tune --predict for slapo train)
 from .calibrate import calibrate_device, write_calibration
 from .hardware import (
     PRESETS,

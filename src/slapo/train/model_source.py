@@ -27,7 +27,7 @@ from torch import nn
 
 from ..data import VOCAB_SIZE
 from ..exceptions import InputError
-from .presets import MODELS, PRESETS
+from .families import MODELS, PRESETS
 
 __all__ = [
     "ModelSource",
@@ -253,6 +253,7 @@ def max_positions(config: Any) -> int | None:
     """The longest sequence a model's config allows (None: no bound, e.g. relative positions).
 
     Example:
+        >>> import transformers
         >>> max_positions(transformers.GPT2Config(n_positions=64))
         64
     """

@@ -1,6 +1,7 @@
 """The models of the main job: families, sizes, their ready schedules and the causal LM loss.
 
 Example:
+    >>> from slapo.train import TrainConfig
     >>> from slapo.train.presets import build_model
     >>> model = build_model(TrainConfig(model="gpt2", preset="tiny"))
 """
@@ -16,18 +17,9 @@ from ..data import VOCAB_SIZE
 from ..exceptions import ConfigError, SlapoError
 from ..model_schedule import apply_schedule
 from ..schedule import Schedule
+from .families import CAUSAL, MODELS, PRESETS
 
 __all__ = ["CAUSAL", "MODELS", "PRESETS", "build_model", "causal_lm_loss", "default_schedule"]
-
-MODELS = ("llama", "gpt2", "bert", "opt", "t5")
-CAUSAL = ("llama", "gpt2", "opt")
-
-# name -> (hidden, layers, heads, kv heads, intermediate)
-PRESETS: dict[str, tuple[int, int, int, int, int]] = {
-    "tiny": (128, 4, 4, 2, 352),
-    "small": (256, 6, 8, 4, 688),
-    "base": (512, 8, 8, 4, 1376),
-}
 
 
 class ModelChoice(Protocol):
@@ -45,12 +37,13 @@ def build_model(cfg: ModelChoice, weights: bool = True) -> nn.Module:
     ``weights``: then it stays on the meta device).
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> model = build_model(TrainConfig(model="gpt2", preset="tiny"))
     """
     import transformers as tf  # deferred: transformers takes seconds to import
 
     if cfg.model not in MODELS:
-        from .model_source import config_for, load_model, resolve_model  # (imports this module)
+        from .model_source import config_for, load_model, resolve_model  # transformers' loaders
 
         source = resolve_model(cfg.model)
         config = config_for(source, cfg.preset, cfg.seq_len, getattr(cfg, "tokenizer", None))
@@ -100,6 +93,7 @@ def default_schedule(model: nn.Module, ckpt_ratio: float = 0.5, **knobs: Any) ->
     """The model's ready schedule (``slapo.model_schedule``), checkpointing ``ckpt_ratio``.
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> sch = default_schedule(build_model(TrainConfig()), 0.5)
     """
     try:

@@ -47,7 +47,8 @@ import torch.distributed as dist
 
 from ..checkpoints.atomic import replace_dir, sibling
 from ..checkpoints.format import MARKER, TREE_FORMAT, CheckpointError, write_json
-from .config import InputError, TrainConfig
+from ..exceptions import InputError
+from .config import TrainConfig
 
 __all__ = [
     "STATE_FILE",
@@ -441,6 +442,7 @@ def save_run(path: Path, run: RunState, final: bool = True) -> None:
     ``--save-every`` keeps the ``step-NNNNNN`` checkpoints inside ``path``.
 
     Example:
+        >>> import transformers
         >>> save_run(Path("out"), run)
         >>> transformers.AutoModelForCausalLM.from_pretrained("out")   # the trained weights
     """

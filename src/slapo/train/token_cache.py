@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import InputError
+from ..exceptions import InputError
 from .datafiles import Piece, data_files, read_pieces
 from .tokenizer import Tokenizer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..data import MASK_ID, VOCAB_SIZE
-from .config import InputError
+from ..exceptions import InputError
 
 __all__ = [
     "BYTE_EOS",
@@ -86,6 +86,7 @@ class HFTokenizer:
     """A transformers tokenizer loaded from a directory (no special tokens added to text).
 
     Example:
+        >>> import transformers
         >>> tok = HFTokenizer(transformers.AutoTokenizer.from_pretrained("my-model"), "my-model")
     """
 

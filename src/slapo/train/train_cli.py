@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from ..exceptions import ConfigError, SlapoError
 from ..tune.memory_budget import Estimator, register_command_estimator, train_argv
-from ..tune.predict import register_command_predictor
 from ..tune.space import Value
 from ..tune.trial import config_to_flags
 from .config import InputError, TrainConfig
@@ -36,7 +35,7 @@ from .report import format_summary
 from .run_memory import estimate_config
 
 __all__ = [
-    "add_parser", "config_from_args", "train_estimator", "train_predictor", "trial_config",
+    "add_parser", "config_from_args", "train_estimator", "trial_config",
 ]  # fmt: skip
 
 HELP = "train a transformers model (yours, or a small one) on your data or the embedded corpus"
@@ -227,28 +226,3 @@ def trial_config(argv: Sequence[str], cfg: Mapping[str, Value]) -> tuple[TrainCo
     except InputError as exc:  # as argparse's own errors above
         raise ConfigError(f"the trial's slapo train flags do not parse: {exc}") from exc
     return train_cfg, None if dp is None else int(dp)
-
-
-@register_command_predictor
-def train_predictor(command: Sequence[str], cluster: Any) -> Any:
-    """``predict(cfg)`` of a ``slapo train`` command on ``cluster`` (a
-    :class:`slapo.plan.ClusterSpec`): the trial's step as :func:`slapo.plan.predict_config`
-    predicts it (None for any other command). ``slapo tune --predict`` orders its trials by it.
-
-    Example:
-        >>> predict = train_predictor(["slapo", "train", "--model", "opt"], cluster)
-        >>> predict({"ckpt_ratio": 1.0}).tokens_per_s_per_gpu > 0
-        True
-    """
-    argv = train_argv(command)
-    if argv is None:
-        return None
-    from ..plan.search import predict_config  # deferred: fake tensors load on first use
-
-    cache: dict[Any, Any] = {}
-
-    def predict(cfg: Mapping[str, Value]) -> Any:
-        train_cfg, dp = trial_config(argv, cfg)
-        return predict_config(train_cfg, cluster, dp=dp or 1, cache=cache)
-
-    return predict

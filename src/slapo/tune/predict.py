@@ -2,7 +2,7 @@
 predicts cannot fit the device never run.
 
 Each configuration is predicted before any trial (:func:`slapo.plan.predict_config` through the
-command predictor ``slapo.train`` registers: fake steps, nothing allocated): the exhaustive
+command predictor ``slapo.plan`` registers: fake steps, nothing allocated): the exhaustive
 strategy then measures them in the order of their predicted tokens/s, so that a ``--budget`` of
 trials spends itself on the likeliest winners, and one whose predicted memory exceeds the device
 is skipped with that reason (the memory screen of :mod:`slapo.tune.memory_budget`, the prediction's
@@ -20,26 +20,30 @@ from typing import Any
 
 from .space import Value
 
-__all__ = ["Predictor", "command_predictor", "rank_by_prediction", "register_command_predictor"]
+__all__ = [
+    "CommandPredictor", "Predictor", "command_predictor", "rank_by_prediction",
+    "register_command_predictor",
+]  # fmt: skip
 
 #: ``predict(cfg)`` -> a :class:`slapo.plan.StepPrediction` (or None when unknown).
 Predictor = Callable[[Mapping[str, Value]], Any]
 
-_COMMAND_PREDICTORS: list[Callable[[Sequence[str], Any], Predictor | None]] = []
+#: ``fn(command, device)`` -> (the trials' predictor, the device's memory in bytes), or None.
+CommandPredictor = Callable[[Sequence[str], str], "tuple[Predictor, int] | None"]
+_COMMAND_PREDICTORS: list[CommandPredictor] = []
 
 
-def register_command_predictor(
-    fn: Callable[[Sequence[str], Any], Predictor | None],
-) -> Callable[[Sequence[str], Any], Predictor | None]:
-    """Register ``fn(command, cluster)``: the predictor of the trials of ``command`` on
-    ``cluster``, or None when it does not know the command (``slapo.train`` registers one for
-    ``slapo train``; the tuner sits below the main job and does not import it).
+def register_command_predictor(fn: CommandPredictor) -> CommandPredictor:
+    """Register ``fn(command, device)``: the predictor of the trials of ``command`` on
+    ``device`` (a name or a device file, as ``--predict`` gives it) with that device's memory
+    in bytes, or None when it does not know the command (``slapo.plan`` registers one for
+    ``slapo train``; the tuner sits below the planner and the main job and imports neither).
 
     Example:
         >>> @register_command_predictor
-        ... def nothing(command, cluster):
+        ... def nothing(command, device):
         ...     return None
-        >>> command_predictor(["my-trainer"], None) is None
+        >>> command_predictor(["my-trainer"], "h100") is None
         True
         >>> _COMMAND_PREDICTORS.remove(nothing)
     """
@@ -47,12 +51,13 @@ def register_command_predictor(
     return fn
 
 
-def command_predictor(command: Sequence[str], cluster: Any) -> Predictor | None:
-    """The predictor a registered command predictor gives for ``command``, else None."""
+def command_predictor(command: Sequence[str], device: str) -> tuple[Predictor, int] | None:
+    """What the first registered command predictor that knows ``command`` gives for it on
+    ``device``: (the trials' predictor, the device's memory in bytes); else None."""
     for fn in _COMMAND_PREDICTORS:
-        predict = fn(command, cluster)
-        if predict is not None:
-            return predict
+        found = fn(command, device)
+        if found is not None:
+            return found
     return None
 
 

@@ -142,21 +142,17 @@ def _predicted(
     """``--predict``: the space's configurations fastest predicted first, and (without a
     ``--memory-budget``) the device's memory as the budget, the predictions' estimates as the
     estimate. Raises :class:`TuneError` for a command the planner cannot predict."""
-    from ..plan.hardware import PRESETS, ClusterSpec, load_device
-    from ..plan.plan_cli import GPU_NAMES
-
-    name = GPU_NAMES.get(str(args.predict).lower())
-    device = PRESETS[name] if name else load_device(args.predict)
-    predict = command_predictor(command, ClusterSpec(device))
-    if predict is None:
+    found = command_predictor(command, args.predict)  # slapo.plan registers slapo train's
+    if found is None:
         raise TuneError(
             "--predict needs a slapo train command (the planner predicts what slapo train builds)"
         )
+    predict, capacity = found
     ranked, predictions = rank_by_prediction(list(space), predict)
     by_key = {config_key(cfg): predictions[i] for i, cfg in enumerate(ranked)}
     budget = args.memory_budget
     if budget is None:
-        budget = int(device.hbm_gib * 2**30)
+        budget = capacity
 
         def estimate(cfg: Any) -> Any:
             pred = by_key.get(config_key(cfg))

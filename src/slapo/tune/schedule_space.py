@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from ..tune import Space
-from ..tune.launch import expert_sizes
-from .knobs import CKPT_POLICIES
-from .schedule_registry import family_limits
+from ..model_schedule.knobs import CKPT_POLICIES
+from ..model_schedule.schedule_registry import family_limits
+from .launch import expert_sizes
+from .space import Space
 
 __all__ = ["layout_space", "tuning_space", "update_space"]
 
