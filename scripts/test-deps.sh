@@ -7,7 +7,7 @@
 #
 #   bash scripts/test-deps.sh                      # oldest, then newest: the whole suite in each
 #   bash scripts/test-deps.sh oldest               # one side only
-#   bash scripts/test-deps.sh newest -- tests/core # pytest arguments after --
+#   bash scripts/test-deps.sh newest -- tests/schedule # pytest arguments after --
 #   KEEP_VENV=1 bash scripts/test-deps.sh oldest   # keep the venv (path printed) for a rerun
 #
 # Run it before you change a bound in pyproject.toml, when one of those libraries releases, and

@@ -1,5 +1,6 @@
-"""Test-wide setup: shared helper modules (tests/dist_utils.py, tests/core/hf_models.py) import by
-name; ``SLAPO_TEST_THREADS=N`` runs the session (and the processes it starts) on N CPU threads.
+"""Test-wide setup: shared helper modules (tests/dist_utils.py, tests/hf_models.py,
+tests/graph_models.py, ...) import by name; ``SLAPO_TEST_THREADS=N`` runs the session (and the
+processes it starts) on N CPU threads.
 
 No test may depend on the thread count: reductions split across threads sum in another order,
 so bit-identity is claimed only where both sides run the same kernels on the same operands. Run
@@ -15,9 +16,8 @@ from pathlib import Path
 import pytest
 
 _TESTS = Path(__file__).resolve().parent
-for _extra in (_TESTS, _TESTS / "core"):
-    if str(_extra) not in sys.path:
-        sys.path.insert(0, str(_extra))
+if str(_TESTS) not in sys.path:
+    sys.path.insert(0, str(_TESTS))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,5 +1,6 @@
-"""The oracle of the mask-free context-parallel attention tests (CPU: tests/tp, CUDA: tests/cuda):
-plain SDPA with the dense causal mask of the query chunks' global positions, and the bf16 rule."""
+"""The oracle of the mask-free context-parallel attention tests (CPU: tests/sharding, CUDA:
+tests/cuda): plain SDPA with the dense causal mask of the query chunks' global positions, and
+the bf16 rule."""
 
 from __future__ import annotations
 

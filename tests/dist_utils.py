@@ -13,11 +13,24 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+# sockets holding the ports free_port() handed out, for the life of this process
+_RESERVED: list[socket.socket] = []
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no other process can take until a server of the caller's binds it.
+
+    A port found free and released at once can be taken by any process (a concurrent run's
+    gloo or store) before the launched rendezvous store binds it. So the port stays bound here,
+    with ``SO_REUSEADDR`` and never listening, for the life of this process: other binds to it
+    fail and ``bind(0)`` skips it, while the store (c10d's, which also sets ``SO_REUSEADDR``)
+    binds and listens on it beside this socket.
+    """
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return s.getsockname()[1]
 
 
 def _entry(fn: Callable, rank: int, world: int, port: int, out: str, timeout: float, args: tuple):

@@ -20,24 +20,19 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
 from pathlib import Path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_utils import free_port  # held until this process exits: no one else can take it
 
 
 def _run_port(agent_store, index: int, rank: int) -> int:
     """The port of run ``index``'s own store: chosen by rank 0 just before the run starts."""
     key = f"sequential_runs/{index}/port"
     if rank == 0:
-        agent_store.set(key, str(_free_port()))
+        agent_store.set(key, str(free_port()))
     return int(agent_store.get(key).decode())
 
 

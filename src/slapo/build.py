@@ -51,6 +51,7 @@ def build(
             ``optimizer_kwargs={"lr": 1e-3}``.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
         >>> model, optimizer = slapo.build(
         ...     sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}

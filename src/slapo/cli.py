@@ -191,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``slapo`` console command.
 
     Example:
-        >>> main(["primitives"])
+        >>> main(["primitives"])  # one line per primitive, then the exit status
+        annotate ...
         0
     """
     parser = build_parser()

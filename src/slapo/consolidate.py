@@ -47,12 +47,20 @@ def consolidate_model(
             full-size parameters); None uses the model's own initialization.
 
     Example:
+        >>> import slapo, torch, transformers
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # shard needs a process group
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)
         >>> with slapo.init_empty_weights():
         ...     model = transformers.GPT2LMHeadModel(config)
         >>> sch = slapo.create_schedule(model)
         >>> sch["transformer.h.0.mlp.c_fc"].shard("weight", axis=1)  # ... the whole plan
-        >>> torch.manual_seed(0)
+        >>> def init_fn(module):
+        ...     for param in module.parameters(recurse=False):
+        ...         torch.nn.init.normal_(param, std=0.02)
+        >>> _ = torch.manual_seed(0)
         >>> model = slapo.consolidate_model(sch, param_init_fn=init_fn)
+        >>> model.transformer.h[0].mlp.c_fc.weight.device
+        device(type='cpu')
     """
     if not isinstance(sch, Schedule):
         raise SlapoError(f"consolidate_model needs a Schedule, got {type(sch).__name__}")

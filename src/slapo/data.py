@@ -32,8 +32,8 @@ def default_corpus(max_bytes: int = 4_000_000) -> bytes:
     """Concatenate stdlib ``.py`` files, in a fixed order, up to ``max_bytes``.
 
     Example:
-        >>> len(default_corpus(1000))
-        1000
+        >>> len(default_corpus(20_000))
+        20000
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks: list[bytes] = []

@@ -54,6 +54,7 @@ def setup(
     The launcher variables torchrun would have set are exported where unset (:func:`export_env`).
 
     Example:
+        >>> import slapo
         >>> env = slapo.env.setup()            # a one-process group, e.g. in a notebook
         >>> env.rank, env.world_size
         (0, 1)
@@ -107,7 +108,8 @@ def export_env(local_rank: int | None = None) -> dict[str, str]:
     user) is never changed. Returns the five variables as they stand (those known).
 
     Example:
-        >>> slapo.env.setup(rank=0, world_size=1)
+        >>> import slapo
+        >>> env = slapo.env.setup(rank=0, world_size=1)
         >>> slapo.env.export_env()["LOCAL_RANK"]
         '0'
     """

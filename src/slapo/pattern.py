@@ -126,6 +126,7 @@ class Subgraph(Sequence[tuple[str, fx.Node]]):
         outputs: every node whose value the subgraph produces, in the pattern's return order.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> subgraphs = sch.find(lambda x: torch.nn.functional.gelu(x))
         >>> path, node = subgraphs[0][0]

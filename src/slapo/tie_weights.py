@@ -18,6 +18,8 @@ def analyze_tie_weights(
     every module that holds them.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)
         >>> model = transformers.GPT2LMHeadModel(config)  # lm_head.weight is wte.weight
         >>> ties = analyze_tie_weights(model)
         >>> sorted(n for n, _ in next(iter(ties.values())))

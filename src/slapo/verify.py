@@ -110,6 +110,7 @@ class Verify(contextlib.ContextDecorator):
     stays on meta; a meta parameter with no counterpart by name raises :class:`MetaVerifyError`.
 
     Example:
+        >>> import slapo
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 2))
         >>> sch = slapo.create_schedule(model)
         >>> with slapo.Verify(sch, torch.randn(3, 4)):

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-# the RoundPipe reference helpers and the small transformers models are shared with the CPU suite
-for sub in ("roundpipe", "core"):
-    path = str(Path(__file__).resolve().parents[1] / sub)
-    if path not in sys.path:
-        sys.path.append(path)
+# the RoundPipe reference helpers are shared with the CPU suite (tests/conftest.py puts tests/, with
+# the small transformers models, on the path)
+_ROUNDPIPE_TESTS = str(Path(__file__).resolve().parents[1] / "roundpipe")
+if _ROUNDPIPE_TESTS not in sys.path:
+    sys.path.append(_ROUNDPIPE_TESTS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,11 +12,11 @@ import copy
 import sys
 from pathlib import Path
 
-import hf_models
 import pytest
 import torch
 import torch.distributed as dist
 
+import hf_models
 import slapo
 from slapo.model_schedule import apply_schedule
 from slapo.targets.mixed_precision import grad_scaler_of

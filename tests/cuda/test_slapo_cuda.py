@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import copy
 
-import hf_models
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import hf_models
 import slapo
 from slapo.op.attention import attention
 

@@ -1,4 +1,4 @@
-"""Shared setup: the tests/core models and the tests/tp launcher; eager fused kernels.
+"""Shared setup: the spawned jobs here import by name; eager fused kernels.
 
 ``torch.compile`` of the fused kernels costs seconds per shape on CPU; the numerics checked here
 are those of the fused modules, so they run uncompiled (one test compiles them on purpose).
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for extra in (HERE, HERE.parent / "core", HERE.parent / "tp"):
-    if str(extra) not in sys.path:
-        sys.path.insert(0, str(extra))
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
 
 @pytest.fixture(autouse=True)

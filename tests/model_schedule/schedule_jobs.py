@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import copy
 
-import hf_models
 import torch
 import transformers
 from torch import nn
 
+import hf_models
 import slapo
 from dist_utils import run_checks
 from slapo.model_schedule import apply_schedule

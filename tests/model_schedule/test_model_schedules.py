@@ -3,11 +3,11 @@ model; checkpointing everything at least halves the bytes saved for backward."""
 
 from __future__ import annotations
 
-import hf_models as H
 import pytest
 import torch
 import transformers
 
+import hf_models as H
 from slapo.exceptions import SlapoError
 from slapo.model_schedule import (
     Knobs,
@@ -16,9 +16,9 @@ from slapo.model_schedule import (
     list_families,
     recommended_knobs,
     register_schedule,
-    tuning_space,
 )
 from slapo.tune import Space
+from slapo.tune.schedule_space import tuning_space
 
 FAMILIES = ["gpt2", "llama", "bert", "opt", "t5"]
 FUSIBLE = {"gpt2", "bert"}

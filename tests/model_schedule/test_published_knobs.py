@@ -5,9 +5,9 @@ names map onto ``attn_op``, and the scheduled model equals the unscheduled one."
 
 from __future__ import annotations
 
-import hf_models as H
 import pytest
 
+import hf_models as H
 import slapo
 from slapo import SlapoError
 from slapo.model_schedule import apply_schedule

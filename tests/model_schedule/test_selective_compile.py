@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import copy
 
-import hf_models as H
 import pytest
 import torch
 import torch._dynamo
 from compile_jobs import tp_job
 from torch import nn
 
+import hf_models as H
 import slapo
 from dist_utils import assert_check, check_all, run_workers
 from slapo.model_schedule import CKPT_POLICIES, Knobs, apply_schedule, recommended_knobs
@@ -194,7 +194,7 @@ def test_selective_checkpoint_knob_is_exact():
         test = H.twin(ref)
         apply_schedule(test, ckpt_ratio=1.0, ckpt_policy=policy)
         # Bit-exact: the same kernels rerun on the same operands under the restored RNG state
-        # (see tests/core/test_selective_checkpoint.py).
+        # (see tests/primitives/test_selective_checkpoint.py).
         H.assert_same_step(ref, test, exact=True)
 
 

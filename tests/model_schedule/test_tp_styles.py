@@ -8,10 +8,10 @@ import doctest
 import json
 from typing import Any
 
-import hf_models
 import pytest
 import torch
 
+import hf_models
 import slapo
 from dist_utils import check_all, run_workers
 from slapo.exceptions import SlapoError

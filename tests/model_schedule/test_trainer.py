@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import hf_models as H
 import pytest
 import torch
 import transformers
 
+import hf_models as H
 import slapo
 from slapo.model_schedule import apply_schedule
 

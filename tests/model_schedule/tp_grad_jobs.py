@@ -12,11 +12,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 
-import hf_models
 import torch
 import transformers
 from torch import nn
 
+import hf_models
 import slapo
 from dist_utils import run_checks
 from slapo.model_schedule import apply_schedule

@@ -73,19 +73,24 @@ def test_lanes_keep_order_and_express_work_passes_a_bulk_transfer(engine):
 
 
 def test_a_caller_holding_the_link_pauses_the_bulk_transfer(engine):
-    started, gate = threading.Event(), threading.Event()
-    bulk = engine.bulk.submit(
-        "upload", "bulk", 50_000, fn=lambda: (started.set(), gate.wait())
-    )  # 0.05 s of link
-    assert started.wait(30)
-    gate.set()
-    engine.express.hold("h2d", "held", 100_000)  # the calling thread keeps the link 0.1 s
-    # unpaused, the bulk transfer would have ended halfway through the hold; paused, it still
-    # needs most of its own time
-    assert not bulk.query()
+    # The bulk transfer starts inside the hold (released from it), so the order below follows
+    # from the events, not from how soon each thread is scheduled: released before the hold,
+    # its 0.05 s of link ran out whenever the caller was late by as much.
+    gate, started = threading.Event(), threading.Event()
+    engine.bulk.submit("upload", "gate", 0, fn=lambda: gate.wait(30))  # parks the engine
+    bulk = engine.bulk.submit("upload", "bulk", 50_000, fn=started.set)  # 0.05 s of link
+
+    def start_bulk_while_held() -> None:
+        gate.set()
+        assert started.wait(30)
+        assert not bulk.query()  # begun, and cannot end while the link is held
+
+    # the calling thread keeps the link 0.1 s; unpaused, the bulk transfer would have ended
+    # halfway through the hold; paused, it ends after it
+    engine.express.hold("h2d", "held", 100_000, fn=start_bulk_while_held)
     bulk.synchronize()
     spans = {r.what: r for r in engine.trace}
-    assert spans["bulk"].start <= spans["held"].start <= spans["held"].end <= spans["bulk"].end
+    assert spans["held"].start <= spans["bulk"].start <= spans["held"].end <= spans["bulk"].end
 
 
 def test_copy_errors_reach_the_waiter_and_the_engine_survives(engine):

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for extra in (HERE, HERE.parent / "core", HERE.parent / "tp"):
+# tests/sharding's tensor-parallel plans and expert jobs; tests/roundpipe's helpers
+for extra in (HERE, HERE.parent / "sharding", HERE.parent / "roundpipe"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 

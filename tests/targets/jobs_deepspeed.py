@@ -9,12 +9,12 @@ and all-reduces sum in another order than one pass.
 
 from __future__ import annotations
 
-import hf_models
 import jobs_loop
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import hf_models
 import slapo
 from dist_utils import run_checks
 from slapo.exceptions import TargetError

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import hf_models
 import torch
 
+import hf_models
 import slapo
 from slapo.exceptions import TargetError
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import inspect
 
-import hf_models
 import jobs_loop
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hf_models
 import slapo
 from slapo.exceptions import TargetError
 

@@ -7,11 +7,11 @@ the curve of the plain PyTorch loop on the unscheduled model.
 
 from __future__ import annotations
 
-import hf_models
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import hf_models
 import slapo
 from slapo.exceptions import TargetError
 

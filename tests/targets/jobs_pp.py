@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 
-import hf_models
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import hf_models
 import slapo
 from slapo.exceptions import TargetError
 from slapo.pipeline import PipelineError

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import copy
 
-import hf_models
 import torch
 import torch.distributed as dist
 
+import hf_models
 import slapo
 from slapo.precision import Precision
 from slapo.targets.mixed_precision import LossScaledOptimizer, grad_scaler_of

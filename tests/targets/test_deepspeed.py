@@ -13,10 +13,10 @@ import os
 import subprocess
 import sys
 
-import hf_models
 import jobs_deepspeed
 import pytest
 
+import hf_models
 import slapo
 from dist_utils import assert_check, check_all, free_port, run_workers
 from slapo.exceptions import SlapoError, TargetError

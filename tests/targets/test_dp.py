@@ -6,9 +6,9 @@ the suite's shared jobs (``conftest.py``).
 
 from __future__ import annotations
 
-import hf_models
 import pytest
 
+import hf_models
 import slapo
 from dist_utils import assert_check
 from slapo.exceptions import TargetError

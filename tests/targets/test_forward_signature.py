@@ -17,10 +17,10 @@ import copy
 import importlib.util
 import inspect
 
-import hf_models
 import pytest
 import torch
 
+import hf_models
 import slapo
 from dist_utils import check_all, run_workers
 from slapo.model_schedule import apply_schedule

@@ -5,11 +5,11 @@ The checks run in the suite's shared jobs (``conftest.py``); each test reports o
 
 from __future__ import annotations
 
-import hf_models
 import jobs_pp
 import pytest
 import torch
 
+import hf_models
 import slapo
 from dist_utils import assert_check
 from slapo.exceptions import PrimitiveError, TargetError

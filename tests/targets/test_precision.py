@@ -13,11 +13,11 @@ import copy
 import subprocess
 import sys
 
-import hf_models
 import pytest
 import torch
 from jobs_precision import BF16_REL, assert_close_rel, reference_step
 
+import hf_models
 import slapo
 from slapo.model_schedule import apply_schedule
 from slapo.precision import DeviceError, Precision, PrecisionError, resolve_device

@@ -7,15 +7,15 @@ import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent
-for _extra in (TESTS / "core", TESTS / "tp", TESTS / "targets"):
+for _extra in (TESTS, TESTS / "sharding", TESTS / "targets"):
     if str(_extra) not in sys.path:
         sys.path.insert(0, str(_extra))
 
-import hf_models  # noqa: E402  (the path above)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import hf_models  # noqa: E402  (the path above)
 import slapo  # noqa: E402
 from slapo.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 

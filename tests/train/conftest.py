@@ -1,6 +1,6 @@
-"""Shared setup of the `slapo train --model/--data` tests: this folder, tests/ and tests/core on
-the path (helpers import by name, as tests/conftest.py arranges for tests/core), and a tiny local
-Llama directory with a tokenizer of its own, made here (random weights, nothing downloaded)."""
+"""Shared setup of the `slapo train` tests: this folder and tests/ on the path (helpers import by
+name, as tests/conftest.py arranges for tests/), and a tiny local Llama directory with a
+tokenizer of its own, made here (random weights, nothing downloaded)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
-for extra in (HERE, HERE.parent, HERE.parent / "core"):
+for extra in (HERE, HERE.parent):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 

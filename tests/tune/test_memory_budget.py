@@ -111,7 +111,7 @@ def test_dry_run_shows_each_estimate_and_runs_nothing(estimating, capsys):
 def test_slapo_train_trials_are_estimated_by_slapo(tmp_path, capsys):
     # The estimate of a `slapo train` command needs no estimate_memory in the config: slapo
     # builds what the trial would (model, schedule, AdamW, batch) and estimates it. (That such a
-    # run then measures what was estimated: tests/estimate/test_estimate_train_report.py.)
+    # run then measures what was estimated: tests/memory/test_estimate_train_report.py.)
     from slapo.cli import main as slapo_main
     from slapo.train.train_cli import train_estimator
 

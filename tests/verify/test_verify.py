@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from hf_models import batch, make
 from torch import nn
 
 import slapo
+from hf_models import batch, make
 
 
 def mlp():

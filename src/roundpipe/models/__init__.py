@@ -54,6 +54,7 @@ def peft_base_model(model: Any) -> tuple[bool, Any]:
     for a prompt-learning adapter, whose forward must not be bypassed).
 
     Example:
+        >>> import torch
         >>> peft_base_model(torch.nn.Linear(2, 2))[0]
         False
     """

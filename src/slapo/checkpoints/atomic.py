@@ -7,10 +7,16 @@ newer (``.tmp-slapo``, else ``.old-slapo``) with a logged warning, and the next 
 the swap first (:func:`begin_save`).
 
 Example:
+    >>> from pathlib import Path
+    >>> from slapo.checkpoints.atomic import TMP, begin_save, replace_dir, sibling
+    >>> from slapo.checkpoints.format import FORMAT, MARKER, write_json
+    >>> path = Path("ckpt")
     >>> tmp = sibling(path, TMP)
     >>> begin_save(path, tmp)          # an empty tmp, an interrupted swap finished
-    >>> ...                            # write the files and the marker into tmp
+    >>> write_json(tmp / MARKER, {"format": FORMAT})  # write the files and the marker into tmp
     >>> replace_dir(tmp, path)
+    >>> sorted(p.name for p in path.iterdir())
+    ['slapo_checkpoint.json']
 """
 
 from __future__ import annotations
@@ -91,7 +97,12 @@ def locate(path: Path) -> tuple[Path, dict[str, Any]]:
     """The complete copy to load for ``path`` and its marker, recovering an interrupted swap.
 
     Example:
-        >>> root, marker = locate(Path("ckpt"))   # ckpt.tmp-slapo when a swap was cut short
+        >>> from slapo.checkpoints.format import FORMAT, MARKER, write_json
+        >>> Path("saved").mkdir()
+        >>> write_json(Path("saved") / MARKER, {"format": FORMAT})
+        >>> root, marker = locate(Path("saved"))  # saved.tmp-slapo when a swap was cut short
+        >>> root.name, marker["format"]
+        ('saved', 'slapo-safetensors-v1')
     """
     if is_complete(path):
         return path, read_marker(path)

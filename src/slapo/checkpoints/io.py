@@ -139,6 +139,7 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: Any = None) 
     nothing is pickled. Every layout writes the same tensors and marker.
 
     Example:
+        >>> import slapo
         >>> slapo.save_checkpoint(model, "ckpt/step100", optimizer)
         >>> slapo.load_checkpoint(other_layout_model, "ckpt/step100")
     """
@@ -226,6 +227,7 @@ def load_checkpoint(
     leaves the model as is.
 
     Example:
+        >>> import slapo
         >>> slapo.load_checkpoint(model, "ckpt/step100", optimizer)
     """
     path = Path(path)
@@ -397,6 +399,7 @@ def export_safetensors(model: Any, directory: str | os.PathLike) -> None:
     whose files every rank writes.
 
     Example:
+        >>> import transformers
         >>> export_safetensors(model, "export/gpt2-tp2")
         >>> transformers.GPT2LMHeadModel.from_pretrained("export/gpt2-tp2")
     """

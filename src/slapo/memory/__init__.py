@@ -18,10 +18,15 @@ Every estimate is in a precision: fp32, or mixed bf16/fp16 as the target's engin
 (float32 master weights and optimizer state; see :func:`estimate_layout`).
 
 Example:
+    >>> import slapo, torch, transformers
     >>> from slapo.memory import estimate_layout, format_bytes
+    >>> config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+    >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+    >>> ids = torch.zeros(8, 128, dtype=torch.long)
+    >>> batch = {"input_ids": ids, "labels": ids}
     >>> est = estimate_layout(sch, batch, target="fsdp", dp=4)
     >>> format_bytes(est.required)
-    '1.52 GiB'
+    '836.13 MiB'
     >>> est = estimate_layout(sch, batch, target="fsdp", dp=4, precision="bf16", device="cuda")
     >>> est.reserved >= est.required
     True

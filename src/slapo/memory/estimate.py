@@ -54,6 +54,7 @@ save for backward may keep somewhat less (a compiled, selectively checkpointed l
 fewer activation bytes, its measured peak 4% below the estimate).
 
 Example:
+    >>> import slapo
     >>> sch = slapo.create_schedule(model)
     >>> sch["model.layers.0"].checkpoint()
     >>> est = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids})
@@ -138,6 +139,7 @@ class MemoryEstimate:
             ``cuda`` estimate on a torch without CUDA), else None.
 
     Example:
+        >>> import slapo
         >>> est = slapo.estimate_memory(sch, batch)
         >>> est.peak == est.params + est.buffers + est.grads + est.optimizer_state + est.activations
         True
@@ -728,6 +730,8 @@ def estimate_memory(
             values, which fake tensors do not have); the message names the cause.
 
     Example:
+        >>> import slapo
+        >>> import transformers
         >>> model = transformers.LlamaForCausalLM(config)
         >>> sch = slapo.model_schedule.apply_schedule(model, ckpt_ratio=0.5)
         >>> ids = torch.randint(0, config.vocab_size, (8, 512))

@@ -15,6 +15,11 @@ figure is the most bytes counted at once, what the estimate's ``activations`` pr
   checkpoint's inner tensors are recomputed in backward and never counted).
 
 Example:
+    >>> import torch, transformers
+    >>> config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+    >>> model = transformers.GPT2LMHeadModel(config)
+    >>> ids = torch.zeros(2, 16, dtype=torch.long)
+    >>> batch = {"input_ids": ids, "labels": ids}
     >>> live = LiveSaved(skip={p.untyped_storage().data_ptr() for p in model.parameters()})
     >>> with live:
     ...     model(**batch).loss.backward()
@@ -67,10 +72,17 @@ class LiveSaved:
     entry and freed in a later one stays counted until then.
 
     Example:
-        >>> live = LiveSaved(skip={p.untyped_storage().data_ptr() for p in engine.parameters()})
-        >>> with live:
+        >>> import slapo, torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> sch["transformer.h.0"].cut_pipeline_stage()
+        >>> ids = labels = torch.zeros(8, 128, dtype=torch.long)
+        >>> # the pipeline engine runs one process per stage (torchrun): not run here
+        >>> engine, _ = slapo.build(sch, target="pipeline", num_microbatches=4)  # doctest: +SKIP
+        >>> live = LiveSaved(skip={p.untyped_storage().data_ptr() for p in engine.parameters()})  # doctest: +SKIP
+        >>> with live:  # doctest: +SKIP
         ...     engine.step(ids, target=labels)      # 4 microbatches, 1F1B
-        >>> live.peak / 2**20                         # MiB of the microbatches in flight
+        >>> live.peak / 2**20                         # MiB of the microbatches in flight  # doctest: +SKIP
         3.1
     """
 
@@ -172,11 +184,19 @@ class EngineBytes:
     gradient all-reduce keeps no buffer between steps) holds none: :meth:`parts` is empty.
 
     Example:
-        >>> engine = EngineBytes(ddp_model)
-        >>> live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)
-        >>> with live:
+        >>> import slapo, torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4)
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> ids = torch.zeros(8, 128, dtype=torch.long)
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> # DDP on 2 ranks (torchrun): not run here
+        >>> ddp_model, _ = slapo.build(sch, target="ddp")  # doctest: +SKIP
+        >>> params = {p.untyped_storage().data_ptr() for p in ddp_model.parameters()}  # doctest: +SKIP
+        >>> engine = EngineBytes(ddp_model)  # doctest: +SKIP
+        >>> live = LiveSaved(skip=lambda: params | engine.skip(), sample=engine.sample)  # doctest: +SKIP
+        >>> with live:  # doctest: +SKIP
         ...     slapo.train_step(ddp_model, batch)
-        >>> engine.parts()
+        >>> engine.parts()  # doctest: +SKIP
         {'buckets': 1612800}
     """
 

@@ -81,6 +81,7 @@ ep             :func:`slapo.sharding.expert_parallel` over ``ep`` ranks borrowed
 =============  ====================================================================================
 
 Example:
+    >>> import slapo
     >>> with slapo.memory.fake_process_group(2, rank=0) as group:       # tp 2, this is tp rank 0
     ...     sch = slapo.model_schedule.apply_schedule(model, group=group)
     ...     sch["model.layers.1"].cut_pipeline_stage()
@@ -548,6 +549,7 @@ def apply_layout(
     ``model`` is not the schedule that holds them.
 
     Example:
+        >>> import slapo
         >>> base = slapo.estimate_memory(sch, batch)
         >>> apply_layout(base, sch.mod, LayoutSpec("ddp", dp=2)).engine == base.grads
         True
@@ -806,6 +808,7 @@ def estimate_layout(
         RoundPipe's device bytes.
 
     Example:
+        >>> import slapo
         >>> est = slapo.estimate_layout(sch, batch, target="pipeline", pp=2, rank=0,
         ...                             num_microbatches=4, pipeline_schedule="GPipe")
         >>> est.stage, est.layout

@@ -92,7 +92,11 @@ def memory_size_arg(text: str) -> int:
     """:func:`parse_bytes` as an ``argparse`` type: a bad size is a usage error that says why.
 
     Example:
-        >>> argparse.ArgumentParser().add_argument("--memory-budget", type=memory_size_arg)
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser()
+        >>> _ = parser.add_argument("--memory-budget", type=memory_size_arg)
+        >>> parser.parse_args(["--memory-budget", "8GiB"]).memory_budget
+        8589934592
     """
     import argparse
 

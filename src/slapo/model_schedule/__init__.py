@@ -11,9 +11,14 @@ the recommended schedule. Every knob is also a tuning symbol (:func:`slapo.tune.
 Example:
     >>> import slapo
     >>> from slapo.model_schedule import apply_schedule
+    >>> import transformers
+    >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+    >>> model = transformers.GPT2LMHeadModel(config)
     >>> sch = apply_schedule(model)                        # the recommended schedule
     >>> sch = apply_schedule(model, ckpt_ratio=0.5)        # exactly this, nothing else
-    >>> sch = apply_schedule(model, group=tp_group)        # recommended, tensor-parallel
+    >>> # on each rank of a tensor-parallel job (torchrun): not run here
+    >>> tp_group = slapo.sharding.init_parallel_mesh("cpu", tp=2)["tp"]  # doctest: +SKIP
+    >>> sch = apply_schedule(model, group=tp_group)        # recommended, tensor-parallel  # doctest: +SKIP
     >>> model, optimizer = slapo.build(sch, init_weights=False)
 """
 

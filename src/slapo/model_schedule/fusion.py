@@ -86,6 +86,10 @@ class DenseBiasDropoutResidualNorm(nn.Module):
     as ``block(hidden, residual)``); the children and parameter names stay.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.BertConfig(
+        ...     hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        ... )
         >>> block = transformers.models.bert.modeling_bert.BertSelfOutput(config)
         >>> fused = DenseBiasDropoutResidualNorm(block)
     """

@@ -8,6 +8,13 @@ the shared knobs (checkpointing, attention kernel, compilation, fused loss, pipe
 as for every family.
 
 Example:
+    >>> import transformers
+    >>> from slapo.model_schedule import apply_schedule
+    >>> config = transformers.Phi3Config(
+    ...     num_hidden_layers=2, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ... )
+    >>> phi3_model = transformers.Phi3ForCausalLM(config)
     >>> sch = apply_schedule(phi3_model)                 # the generic plan's recommended knobs
     >>> sch.extra["model_schedule"]["plan"]
     'generic'
@@ -61,6 +68,12 @@ def find_blocks(model: nn.Module) -> tuple[list[str], str]:
     """The paths of ``model``'s repeated blocks, in order, and where they came from.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.Phi3Config(
+        ...     num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+        ...     num_key_value_heads=2, vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ... )
+        >>> phi3 = transformers.Phi3ForCausalLM(config)
         >>> find_blocks(phi3)
         (['model.layers.0', ..., 'model.layers.3'], 'Phi3DecoderLayer, from _no_split_modules')
     """
@@ -91,6 +104,12 @@ def output_head(model: nn.Module) -> str | None:
     """The path of the model's LM head (its output embeddings), or None.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> llama = transformers.LlamaForCausalLM(config)
         >>> output_head(llama)
         'lm_head'
     """
@@ -113,8 +132,16 @@ def infer_plan(sch: Schedule, blocks: list[str]) -> TPPlan:
     numbers whatever the layout inside. A :class:`SlapoError` when no block has any.
 
     Example:
-        >>> infer_plan(sch, ["transformer.h.0"]).styles["transformer.h.0.attn.attention.q_proj"]
-        'colwise'
+        >>> import slapo, transformers
+        >>> config = transformers.GPTNeoConfig(
+        ...     num_layers=1, attention_types=[[["global"], 1]], hidden_size=16, num_heads=2,
+        ...     max_position_embeddings=16,
+        ... )
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # a plan is inferred for a process group
+        >>> sch = slapo.create_schedule(transformers.GPTNeoForCausalLM(config))
+        >>> plan = infer_plan(sch, ["transformer.h.0"])
+        >>> plan.styles["transformer.h.0.mlp.c_fc"], plan.styles["transformer.h.0.attn.attention.q_proj"]
+        (Colwise(), ColwiseGather())
     """
     styles: dict[str, str] = {}
     divide: dict[str, tuple[str, ...]] = {}

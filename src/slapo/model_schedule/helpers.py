@@ -58,6 +58,11 @@ def blocks(sch: Schedule, *lists: str) -> list[str]:
     """The paths of every block of the given layer lists, in order.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
+        >>> sch = slapo.create_schedule(gpt2)
         >>> blocks(sch, "transformer.h")
         ['transformer.h.0', 'transformer.h.1']
     """
@@ -97,6 +102,13 @@ def replicated(sch: Schedule, path: str) -> None:
     backward all-reduces it over the group (``sync(mode="bwd_param")``).
 
     Example:
+        >>> import slapo, transformers
+        >>> config = transformers.Qwen3Config(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32, head_dim=8,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> sch = slapo.create_schedule(transformers.Qwen3ForCausalLM(config))
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # sync needs a process group
         >>> replicated(sch, "model.layers.0.self_attn.q_norm")  # Qwen3
     """
     sch[path].sync(mode="bwd_param", sync_op_or_fn="all_reduce")
@@ -111,6 +123,12 @@ def per_head_norms(sch: Schedule, path: str) -> list[str]:
     which each rank holds only some of: a :class:`SlapoError` instead of wrong results.
 
     Example:
+        >>> import slapo, transformers
+        >>> config = transformers.Qwen3Config(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32, head_dim=8,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> sch = slapo.create_schedule(transformers.Qwen3ForCausalLM(config))
         >>> per_head_norms(sch, "model.layers.0.self_attn")  # Qwen3
         ['model.layers.0.self_attn.q_norm', 'model.layers.0.self_attn.k_norm']
     """
@@ -226,6 +244,14 @@ def apply_shared_knobs(
     cuts between ``layers``, and the compilation of the whole model. ``recompute_dropout_in``: see :func:`checkpoint_blocks`.
 
     Example:
+        >>> import slapo, transformers
+        >>> config = transformers.Qwen3Config(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32, head_dim=8,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> sch = slapo.create_schedule(transformers.Qwen3ForCausalLM(config))
+        >>> from slapo.model_schedule.knobs import Knobs
+        >>> knobs = Knobs(ckpt_ratio=1.0)
         >>> apply_shared_knobs(sch, knobs, blocks(sch, "model.layers"), "lm_head", shift=True)
     """
     use_attention(sch, k.attn_op)

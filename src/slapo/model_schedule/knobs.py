@@ -164,8 +164,12 @@ def recommended_knobs(family: str, **overrides: Any) -> dict[str, Any]:
     A family without a measured entry gets the llama one (the plans share their knobs).
 
     Example:
+        >>> from slapo.model_schedule import apply_schedule
         >>> recommended_knobs("llama")["ckpt_policy"]
         'save_matmuls'
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> model = transformers.GPT2LMHeadModel(config)
         >>> sch = apply_schedule(model, **recommended_knobs("gpt2", ckpt_ratio=0.5))
     """
     return {**CPU_DEFAULTS.get(family, CPU_DEFAULTS["llama"]), **overrides}

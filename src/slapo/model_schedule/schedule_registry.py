@@ -127,6 +127,10 @@ def apply_schedule(
             (:mod:`~slapo.model_schedule.published`).
 
     Example:
+        >>> import slapo
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> model = transformers.GPT2LMHeadModel(config)
         >>> sch = apply_schedule(model)                  # the recommended schedule
         >>> sch = apply_schedule(model, ckpt_ratio=0.5)  # exactly this, nothing else
         >>> model, optimizer = slapo.build(sch, init_weights=False)

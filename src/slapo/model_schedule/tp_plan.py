@@ -51,7 +51,15 @@ Example:
     })
     >>> TPPlan.from_json(plan.to_json()) == plan
     True
-    >>> # illustration: sch is a schedule created with group= (see apply_tp_plan)
+    >>> import slapo, transformers
+    >>> config = transformers.LlamaConfig(
+    ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+    ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+    ... )
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> # illustration: sch is a schedule created with group=, on each rank of a tp job (torchrun)
+    >>> tp_group = slapo.sharding.init_parallel_mesh("cpu", tp=2)["tp"]  # doctest: +SKIP
+    >>> sch = slapo.create_schedule(model, group=tp_group)  # doctest: +SKIP
     >>> apply_tp_plan(sch, plan).regions[:1]  # doctest: +SKIP
     ['model.layers.0.mlp']
 """
@@ -210,7 +218,17 @@ def apply_tp_plan(
     sequence, the checks) is done here from the styles' attributes.
 
     Example (illustration: ``sch`` needs a process group):
+        >>> import slapo, transformers
+        >>> from slapo.model_schedule.helpers import blocks
         >>> from slapo.model_schedule.llama import LLAMA_PLAN
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> # on each rank of a tensor-parallel job (torchrun): not run here
+        >>> tp_group = slapo.sharding.init_parallel_mesh("cpu", tp=2)["tp"]  # doctest: +SKIP
+        >>> sch = slapo.create_schedule(model, group=tp_group)  # doctest: +SKIP
         >>> applied = apply_tp_plan(sch, LLAMA_PLAN, blocks(sch, "model.layers"))  # doctest: +SKIP
     """
     applied = AppliedPlan()

@@ -39,6 +39,11 @@ def wideresnet(sch: Schedule, k: Knobs) -> None:
     """The WideResNet plan: tensor parallelism inside every block, checkpointing, compilation.
 
     Example:
+        >>> import slapo
+        >>> from slapo.model_schedule import apply_schedule
+        >>> import torch
+        >>> from slapo.vision import WideResNet
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # group= needs a process group
         >>> model = WideResNet(depth=16, widen_factor=4)  # from slapo.vision
         >>> sch = apply_schedule(model, ckpt_ratio=0.5, group=torch.distributed.group.WORLD)
         >>> model, optimizer = slapo.build(sch, init_weights=False)
@@ -61,6 +66,9 @@ def shard_block(sch: Schedule, blk: str, world: int) -> None:
     """Split the inner width of the residual block at ``blk`` over ``world`` ranks.
 
     Example:
+        >>> import slapo
+        >>> from slapo.vision import WideResNet
+        >>> sch = slapo.create_schedule(WideResNet(depth=16, widen_factor=4))
         >>> shard_block(sch, "layer2.0", 2)  # conv1, bn2 and conv2 keep half of the channels
     """
     width = sch[f"{blk}.conv1"].mod.out_channels

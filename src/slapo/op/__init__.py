@@ -1,6 +1,7 @@
 """Ready modules for the common replacements in scheduled models.
 
 Example:
+    >>> import torch
     >>> from slapo import op
     >>> act = op.FusedBiasGELU(16)
     >>> y = act(torch.randn(2, 16))

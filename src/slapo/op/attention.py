@@ -200,8 +200,14 @@ def register_transformers_attention(name: str = "slapo") -> str:
     """Register Slapo's attention with transformers under ``name`` and return the name.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
         >>> name = register_transformers_attention()
-        >>> model.set_attn_implementation(name)  # doctest: +SKIP
+        >>> model.set_attn_implementation(name)
     """
     from transformers import AttentionInterface  # deferred: transformers takes seconds to import
 

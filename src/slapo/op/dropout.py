@@ -52,7 +52,7 @@ def bulk_keep_mask(
     ``round(p * 65536)``. Traceable: inductor fuses the comparison into its consumers.
 
     Example:
-        >>> torch.manual_seed(0); keep = bulk_keep_mask((1000,), 0.25)
+        >>> _ = torch.manual_seed(0); keep = bulk_keep_mask((1000,), 0.25)
         >>> 0.2 < 1 - keep.float().mean().item() < 0.3
         True
     """
@@ -110,8 +110,9 @@ def bulk_dropout_masks() -> Iterator[None]:
     tests and debugging, not a way to train.
 
     Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
         >>> with bulk_dropout_masks():
-        ...     loss = model(**batch).loss          # the masks of sch.compile(rng="bulk")
+        ...     loss = model(torch.ones(2, 4)).sum()  # the masks of sch.compile(rng="bulk")
     """
     with _BulkMasks():
         yield

@@ -48,6 +48,10 @@ def partition_model(
     runs them, forward and backward, on its tensor-parallel group.
 
     Example:
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.zeros(2, 8, dtype=torch.long)
         >>> part = partition_model(gpt2, ["transformer.h.0"], (ids[:1],), {"use_cache": False})
         >>> [type(s).__name__ for s in part.stages]
         ['GraphModule', 'GraphModule']

@@ -30,6 +30,13 @@ def stage_table(
     """Describe each stage; ``layers`` names the blocks (and other modules) it runs.
 
     Example:
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.zeros(2, 8, dtype=torch.long)
+        >>> from slapo.pipeline.partition import partition_model
+        >>> part = partition_model(gpt2, ["transformer.h.0"], (ids[:1],), {"use_cache": False})
+        >>> stage_modules = part.stages
         >>> [s.layers for s in stage_table(stage_modules, ["transformer.h.0", "transformer.h.1"],
         ...                                 [0, 1])]
         [['transformer.wte', 'transformer.wpe', 'transformer.h.0'], ['transformer.h.1', ...]]

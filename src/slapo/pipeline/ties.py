@@ -33,6 +33,13 @@ def find_tie_groups(model: nn.Module, stages: Sequence[nn.Module]) -> list[TieGr
     """The tied weights of ``model`` (``analyze_tie_weights``) held by two or more stages.
 
     Example:
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.zeros(2, 8, dtype=torch.long)
+        >>> from slapo.pipeline.partition import partition_model
+        >>> part = partition_model(gpt2, ["transformer.h.0"], (ids[:1],), {"use_cache": False})
+        >>> stage_modules = part.stages
         >>> [sorted(t.names) for t in find_tie_groups(gpt2, stage_modules)]
         [['lm_head.weight', 'transformer.wte.weight']]
     """

@@ -17,7 +17,7 @@ Example:
     >>> h100.peak_tflops["bf16"], h100.hbm_gib
     (989.5, 80.0)
     >>> cluster = ClusterSpec(h100, gpus_per_node=8, inter_node_gbps=50.0)
-    >>> cluster.link_for(16) is cluster.inter_node
+    >>> cluster.link_for(16) == cluster.inter_node
     True
 """
 
@@ -415,7 +415,7 @@ def device_from_dict(data: Any, where: str = "device") -> DeviceSpec:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically: a temporary file beside it, flushed to disk, then
+    r"""Write ``text`` to ``path`` atomically: a temporary file beside it, flushed to disk, then
     renamed over it (a reader sees the old file or the new one, never a part).
 
     Example:

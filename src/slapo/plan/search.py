@@ -17,6 +17,7 @@ Two rules keep the search short without losing its best answers:
   the slower ones cannot rank higher.
 
 Example:
+    >>> from slapo.plan import PRESETS
     >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
     >>> best = plan_layouts("llama3-70b-config", cluster, gpus=256, seq_len=8192,
     ...                     global_batch=256)[0]

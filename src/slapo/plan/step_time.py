@@ -38,6 +38,7 @@ backward is cut by :data:`COMPILE_MEMORY_TRAFFIC` (fusion) and activations by
 :data:`COMPILE_ACTIVATIONS` (the compiler saves less for backward).
 
 Example:
+    >>> from slapo.plan import PRESETS
     >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
     >>> pred = predict_step(sch, batch, cluster, target="fsdp", dp=8, precision="bf16")
     >>> print(pred)          # seconds, tokens/s per GPU, MFU, memory and their top terms
@@ -239,6 +240,7 @@ class StepCounter(TorchDispatchMode):
             (:func:`shape_key`): what a rate measured per shape applies to.
 
     Example:
+        >>> import slapo
         >>> with StepCounter() as c:
         ...     slapo.estimate_memory(model, batch)
         >>> c.flops[("forward", "matmul")] > 0
@@ -516,6 +518,7 @@ def predict_step(
         A :class:`StepPrediction`.
 
     Example:
+        >>> from slapo.plan import PRESETS
         >>> c = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
         >>> pred = predict_step(sch, {"input_ids": ids, "labels": ids}, c, target="fsdp", dp=8)
         >>> pred.seconds > 0, 0 < pred.mfu < 1

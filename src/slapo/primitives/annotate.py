@@ -17,6 +17,8 @@ class AnnotatePrimitive(Primitive):
     they survive ``build``, including the materialization of a meta-device model.
 
     Example:
+        >>> from torch import nn
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Linear(4, 4))
         >>> sch.annotate("weight", "replicated", True)
         >>> sch.mod.weight.replicated

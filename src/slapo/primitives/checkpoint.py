@@ -226,6 +226,7 @@ class CheckpointPrimitive(Primitive):
     the recompute in backward works on copies of them (torch's checkpoint would update them twice).
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> sch["0"].checkpoint()
         >>> sch["1"].checkpoint(policy="save_matmuls")  # or checkpoint("save_matmuls")

@@ -134,9 +134,16 @@ class CompilePrimitive(Primitive):
         rng: ``"eager"``, ``"bulk"`` or ``"inductor"`` (inductor only; see above).
 
     Example:
+        >>> import slapo, transformers
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> sch = slapo.create_schedule(transformers.LlamaForCausalLM(config))
         >>> sch["model.layers.0"].checkpoint(policy="save_matmuls")
         >>> sch["model.layers.0"].compile()
-        >>> sch.compile(rng="bulk")  # or the whole model, with cheap dropout masks
+        >>> # compiling the whole model takes inductor a minute on a CPU: not run here
+        >>> sch.compile(rng="bulk")  # or the whole model, with cheap dropout masks  # doctest: +SKIP
     """
 
     name = "compile"

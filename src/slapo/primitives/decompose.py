@@ -46,6 +46,7 @@ class DecomposePrimitive(Primitive):
     stay the same objects with the same names.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> sch["0"].decompose()
         >>> type(sch["0"].mod).__name__

@@ -40,6 +40,7 @@ class FindPrimitive(Primitive):
     An untraced module is traced first (trace by need: only this module, as ``trace()`` does).
 
     Example:
+        >>> import slapo, torch
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> subgraphs = sch.find(lambda x: torch.nn.functional.gelu(x))  # traces sch by need
         >>> subgraphs, subgraphs[0][0][1].target

@@ -17,6 +17,8 @@ class ForkRNGPrimitive(Primitive):
     given to ``slapo.set_random_seed(seed, tp_rank=...)``, which must be called before running.
 
     Example:
+        >>> from torch import nn
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1)))
         >>> sch["1"].fork_rng()
     """

@@ -108,6 +108,9 @@ def fuse_arguments(sch: Schedule, first: Any, second: Any, subgraph: Any, compil
     ``fuse(subgraph, compiler)``, told apart by type; keywords fill in what is not positional.
 
     Example:
+        >>> import slapo, torch
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+        >>> found = sch.find(lambda x: torch.nn.functional.gelu(x))
         >>> fuse_arguments(sch, "TorchScript", found, _UNSET, _UNSET) == (found, "TorchScript")
         True
     """
@@ -151,6 +154,16 @@ class FusePrimitive(Primitive):
     subgraph's intermediate values must not be used outside it. Returns the fused modules' names.
 
     Example:
+        >>> import slapo, torch
+        >>> import torch.nn.functional as F
+        >>> class MLP(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = nn.Linear(4, 4, bias=False)
+        ...         self.bias = nn.Parameter(torch.zeros(4))
+        ...     def forward(self, x):
+        ...         return F.gelu(self.bias + self.fc(x))
+        >>> sch = slapo.create_schedule(MLP())
         >>> subgraph = sch.find(lambda x, bias: F.gelu(bias + x))
         >>> sch.fuse(subgraph, compiler="TorchScript", name="BiasGeLU")  # or fuse(compiler, ...)
         ['BiasGeLU_0']

@@ -26,8 +26,17 @@ class ReplacePrimitive(Primitive):
     that the subgraph does not supply.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> sch["1"].replace(nn.ReLU())
+        >>> import torch
+        >>> from slapo.op import FlashAttentionOp
+        >>> class Core(nn.Module):
+        ...     def forward(self, q, k, v):
+        ...         return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        >>> def scaled_dot_product(q, k, v):
+        ...     return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        >>> attn_sch = slapo.create_schedule(Core())
         >>> core = attn_sch.find(scaled_dot_product)  # q, k, v -> attention output
         >>> attn_sch.replace(
         ...     FlashAttentionOp("native_xformers"), core,

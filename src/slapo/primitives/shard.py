@@ -35,7 +35,12 @@ class ShardPrimitive(Primitive):
             projection); each block is sharded on its own.
 
     Example:
-        >>> sch = slapo.create_schedule(model)  # under torch.distributed, 2 ranks
+        >>> import slapo
+        >>> from torch import nn
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # 2 ranks under torchrun shard in halves
+        >>> model = nn.Sequential()
+        >>> model.fc1, model.act, model.fc2 = nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4)
+        >>> sch = slapo.create_schedule(model)
         >>> sch["fc1"].shard("weight", axis=0); sch["fc1"].shard("bias", axis=0)
         >>> sch["fc2"].shard("weight", axis=1)
         >>> sch["fc2"].sync(mode="fwd_post", sync_op_or_fn="all_reduce")

@@ -46,6 +46,17 @@ def checkpoint_subgraph(
     new modules' names.
 
     Example:
+        >>> import slapo
+        >>> import torch.nn.functional as F
+        >>> from torch import nn
+        >>> from slapo.pattern import call_module
+        >>> class MLP(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+        ...     def forward(self, x):
+        ...         return self.fc2(F.gelu(self.fc1(x)))
+        >>> sch = slapo.create_schedule(nn.ModuleDict({"mlp": MLP()}))
         >>> found = sch["mlp"].find(lambda x: F.gelu(call_module("fc1", x)))  # traces by need
         >>> sch["mlp"].checkpoint(found)
         ['checkpoint']

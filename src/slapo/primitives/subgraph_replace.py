@@ -148,6 +148,9 @@ def replace_each(
     ``numbered``: name the modules ``name_0``, ``name_1``, ... (see :func:`substitute`).
 
     Example:
+        >>> import slapo, torch
+        >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+        >>> pattern = lambda x: torch.nn.functional.gelu(x)  # noqa: E731
         >>> replace_each(sch, sch.find(pattern), "fuse", "Fused", "Fused", lambda gm, owner: gm)
         ['Fused']
     """
@@ -280,8 +283,26 @@ def replace_subgraph(
     name, as Slapo names it; the registered name is returned.
 
     Example:
+        >>> import slapo, torch
+        >>> from slapo.op import FlashAttentionOp
+        >>> class Attention(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.q_proj, self.k_proj, self.v_proj = (nn.Linear(8, 8) for _ in range(3))
+        ...     def forward(self, x):
+        ...         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        ...         return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        >>> class FusedQKV(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.qkv = nn.Linear(8, 24)
+        ...     def forward(self, x):
+        ...         return self.qkv(x).chunk(3, dim=-1)
+        >>> def scaled_dot_product(q, k, v):
+        ...     return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+        >>> attn = slapo.create_schedule(Attention())
         >>> qkv = attn.find(r"[qkv]_proj")  # three module calls on the same input
-        >>> attn.replace(FusedQKV(...), qkv, name="FusedQKV")  # FusedQKV(x) -> (q, k, v)
+        >>> attn.replace(FusedQKV(), qkv, name="FusedQKV")  # FusedQKV(x) -> (q, k, v)
         'FusedQKV_0'
         >>> core = attn.find(scaled_dot_product)  # (q, k, v) -> attention
         >>> attn.replace(FlashAttentionOp(), core, concrete_args={"attention_mask": None, "p": 0.1})
@@ -318,6 +339,10 @@ def bind_concrete_args(
     name an argument that the subgraph's ``args``/``kwargs`` do not already supply.
 
     Example:
+        >>> import slapo, torch
+        >>> from slapo.op import FlashAttentionOp
+        >>> owner = slapo.create_schedule(nn.Linear(8, 8))  # the schedule whose graph is edited
+        >>> q = k = v = torch.randn(1, 2, 4, 8)
         >>> bind_concrete_args(owner, FlashAttentionOp(), [q, k, v], {}, {"p": 0.1})
         {'p': 0.1}
     """

@@ -87,6 +87,7 @@ class SyncPrimitive(Primitive):
     all-reduces.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
         >>> sch["0"].sync(mode="fwd_post", sync_op_or_fn=lambda t: t * 2)
         >>> sch["0"].sync(mode="both", sync_op_or_fn=lambda t: t)
@@ -186,6 +187,7 @@ class HookPrimitive(Primitive):
     ``func(module, grad_input, grad_output)``); ``fw_pre``/``fw_post``/``bw_post`` also work.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4)))
         >>> sch["0"].hook("fwd_post", lambda mod, args, out: out * 2)
     """

@@ -44,6 +44,7 @@ def trace_schedule(
     ``dummy_inputs``. An already traced module is only flattened if asked.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
         >>> gm = trace_schedule(sch, torch.randn(2, 4))
         >>> sch["0"].mod is gm.get_submodule("0")
@@ -88,6 +89,7 @@ def traced_by_need(sch: Schedule, primitive: str) -> fx.GraphModule:
     kept) if it is not yet. Static-graph primitives call this, so no ``trace()`` is needed.
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
         >>> type(traced_by_need(sch, "find")).__name__
         'Sequential'
@@ -211,6 +213,7 @@ class TracePrimitive(Primitive):
     refused (``TraceEquivalenceError``).
 
     Example:
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
         >>> gm = sch.trace()  # fx: no inputs needed
         >>> type(sch["0"].mod).__name__, sch["0"].mod is gm.get_submodule("0")

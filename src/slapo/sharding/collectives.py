@@ -84,6 +84,8 @@ def run_collective(op: str, group: dist.ProcessGroup | None, fn: Callable[[], An
     naming ``op``, the group and this rank. The process group's timeout bounds the wait.
 
     Example:
+        >>> t = torch.ones(2)
+        >>> # needs a process group (torchrun, or slapo.env.setup): not run here
         >>> run_collective("all_reduce", None, lambda: dist.all_reduce(t))  # doctest: +SKIP
     """
     try:
@@ -200,7 +202,7 @@ def all_reduce(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over the group; the gradient passes through unchanged.
 
     Example (in a 2-rank job):
-        >>> y = all_reduce(torch.ones(2))  # tensor([2., 2.]) on both ranks
+        >>> y = all_reduce(torch.ones(2))  # tensor([2., 2.]) on both ranks  # doctest: +SKIP
     """
     return _AllReduce.apply(tensor, resolve_group(group))
 
@@ -215,7 +217,7 @@ def all_gather(
     a column-parallel layer.
 
     Example (in a 2-rank job):
-        >>> y = all_gather(torch.ones(2, 3), dim=0)  # shape (4, 3)
+        >>> y = all_gather(torch.ones(2, 3), dim=0)  # shape (4, 3)  # doctest: +SKIP
     """
     if bwd not in ("split", "reduce_scatter"):
         raise SlapoError(f'all_gather: bwd must be "split" or "reduce_scatter", got {bwd!r}')
@@ -226,7 +228,7 @@ def reduce_scatter(tensor: torch.Tensor, group: Any = None, dim: int = -1) -> to
     """Sum over the group and keep this rank's slice along ``dim``; backward all-gathers.
 
     Example (in a 2-rank job):
-        >>> y = reduce_scatter(torch.ones(4, 3), dim=0)  # shape (2, 3), all 2.0
+        >>> y = reduce_scatter(torch.ones(4, 3), dim=0)  # shape (2, 3), all 2.0  # doctest: +SKIP
     """
     return _ReduceScatter.apply(tensor, resolve_group(group), dim)
 
@@ -235,6 +237,6 @@ def scatter(tensor: torch.Tensor, group: Any = None, dim: int = -1) -> torch.Ten
     """Keep this rank's slice of a replicated ``tensor`` along ``dim``; backward all-gathers.
 
     Example (in a 2-rank job):
-        >>> y = scatter(torch.arange(4.0), dim=0)  # rank 0: tensor([0., 1.])
+        >>> y = scatter(torch.arange(4.0), dim=0)  # rank 0: tensor([0., 1.])  # doctest: +SKIP
     """
     return _Scatter.apply(tensor, resolve_group(group), dim)

@@ -64,6 +64,12 @@ def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     run; raises :class:`ContextParallelError` naming a module it cannot.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=2, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> llama = transformers.LlamaForCausalLM(config)
         >>> [p for p, _ in find_attention_modules(llama)]  # doctest: +SKIP
         ['model.layers.0.self_attn', 'model.layers.1.self_attn']
     """

@@ -124,6 +124,8 @@ def gather_sequence(t: torch.Tensor, group: Any = None, dim: int = 1) -> torch.T
     global order (no gradient; e.g. for logits or a padding mask).
 
     Example (in a 2-rank job):
+        >>> local_logits = torch.randn(1, 4, 16)  # this rank's half of an 8-token sequence
+        >>> group = None  # the context-parallel group (None: the default group)
         >>> full = gather_sequence(local_logits, group, dim=1)  # doctest: +SKIP
     """
     from .collectives import _all_gather

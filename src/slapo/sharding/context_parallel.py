@@ -70,6 +70,16 @@ class ContextParallel:
         -100 after the last token, ready for :meth:`loss`.
 
         Example:
+            >>> import transformers
+            >>> from slapo.sharding import init_parallel_mesh
+            >>> config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+            ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+            >>> model = transformers.LlamaForCausalLM(config)
+            >>> ids = torch.randint(0, 32, (1, 8))
+            >>> # on each rank of a 2-rank context-parallel job (torchrun): not run here
+            >>> mesh = init_parallel_mesh("cpu", cp=2)  # doctest: +SKIP
+            >>> group = mesh["cp"]  # doctest: +SKIP
+            >>> cp = context_parallel(model, group=group)  # doctest: +SKIP
             >>> local = cp.shard_batch({"input_ids": ids, "labels": ids})  # doctest: +SKIP
         """
         unknown = set(batch) - {"input_ids", "labels", "attention_mask", "position_ids"}
@@ -112,6 +122,16 @@ class ContextParallel:
         gradients gives the full sequence's gradient.
 
         Example:
+            >>> import transformers
+            >>> from slapo.sharding import init_parallel_mesh
+            >>> config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+            ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+            >>> model = transformers.LlamaForCausalLM(config)
+            >>> ids = torch.randint(0, 32, (1, 8))
+            >>> # on each rank of a 2-rank context-parallel job (torchrun): not run here
+            >>> mesh = init_parallel_mesh("cpu", cp=2)  # doctest: +SKIP
+            >>> group = mesh["cp"]  # doctest: +SKIP
+            >>> cp = context_parallel(model, group=group)  # doctest: +SKIP
             >>> out = model(**cp.model_batch({"input_ids": ids, "labels": ids}))  # doctest: +SKIP
         """
         if batch.get("labels") is None:
@@ -154,7 +174,17 @@ def context_parallel(model: nn.Module, group: Any = None) -> ContextParallel:
     attention or attention outside the interface raise :class:`ContextParallelError`.
 
     Example:
+        >>> import transformers
+        >>> from slapo.sharding import init_parallel_mesh
+        >>> config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 32, (1, 8))
+        >>> # on each rank of a 2-rank context-parallel job (torchrun): not run here
+        >>> mesh = init_parallel_mesh("cpu", cp=2)  # doctest: +SKIP
+        >>> group = mesh["cp"]  # doctest: +SKIP
         >>> cp = context_parallel(model, group=mesh["cp"])  # doctest: +SKIP
+        >>> batch = {"input_ids": ids, "labels": ids}
         >>> local = cp.shard_batch(batch)  # doctest: +SKIP
     """
     config = getattr(model, "config", None)
@@ -194,6 +224,18 @@ def context_parallel_loss(
     unchanged, so each rank differentiates exactly its own tokens' share.
 
     Example:
+        >>> import transformers
+        >>> from slapo.sharding import init_parallel_mesh
+        >>> config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 32, (1, 8))
+        >>> # on each rank of a 2-rank context-parallel job (torchrun): not run here
+        >>> mesh = init_parallel_mesh("cpu", cp=2)  # doctest: +SKIP
+        >>> group = mesh["cp"]  # doctest: +SKIP
+        >>> cp = context_parallel(model, group=group)  # doctest: +SKIP
+        >>> local = cp.shard_batch({"input_ids": ids, "labels": ids})  # doctest: +SKIP
+        >>> out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])  # doctest: +SKIP
         >>> loss = context_parallel_loss(out.logits, local["shift_labels"], group)  # doctest: +SKIP
     """
     pg = resolve_group(group, "context_parallel_loss")
@@ -213,6 +255,19 @@ def all_reduce_grads(model: nn.Module, group: Any = None) -> int:
     how many gradients were summed. Call it after ``backward`` and before the optimizer step.
 
     Example:
+        >>> import transformers
+        >>> from slapo.sharding import init_parallel_mesh
+        >>> config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 32, (1, 8))
+        >>> # on each rank of a 2-rank context-parallel job (torchrun): not run here
+        >>> mesh = init_parallel_mesh("cpu", cp=2)  # doctest: +SKIP
+        >>> group = mesh["cp"]  # doctest: +SKIP
+        >>> cp = context_parallel(model, group=group)  # doctest: +SKIP
+        >>> local = cp.shard_batch({"input_ids": ids, "labels": ids})  # doctest: +SKIP
+        >>> out = model(input_ids=local["input_ids"], position_ids=local["position_ids"])  # doctest: +SKIP
+        >>> loss = cp.loss(out.logits, local["shift_labels"])  # doctest: +SKIP
         >>> loss.backward(); all_reduce_grads(model, group)  # doctest: +SKIP
     """
     pg = resolve_group(group, "all_reduce_grads")

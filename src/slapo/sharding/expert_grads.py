@@ -53,6 +53,9 @@ def reduce_expert_grads(model: nn.Module, replicas: Any, average_over: int) -> l
     dp x cp). Returns the hooked parameters' names.
 
     Example:
+        >>> from slapo.testing import tiny_model
+        >>> # a Qwen3-MoE model whose experts are sharded over expert-parallel ranks: not run here
+        >>> model = tiny_model("qwen3_moe")  # doctest: +SKIP
         >>> reduce_expert_grads(model, replicas=None, average_over=2)  # doctest: +SKIP
         ['model.layers.0.mlp.experts.gate_up_proj', 'model.layers.0.mlp.experts.down_proj']
     """

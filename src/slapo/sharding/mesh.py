@@ -70,6 +70,10 @@ class ParallelMesh:
         over dp x cp by hooks (the data-parallel engines leave them to those).
 
         Example:
+            >>> import torch
+            >>> model = torch.nn.Linear(4, 4)  # the model the mesh's plan was written for
+            >>> # on the ranks of a parallel job (torchrun): not run here
+            >>> mesh = init_parallel_mesh("cpu", tp=2)  # doctest: +SKIP
             >>> context = mesh.apply(model)  # doctest: +SKIP
         """
         context = None

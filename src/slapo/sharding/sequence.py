@@ -36,6 +36,9 @@ def mark_sequence_parallel(module: nn.Module) -> None:
     """Tag every replicated parameter of ``module`` (e.g. a norm, a row-parallel bias) as replicated inside a sequence-parallel region.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)
+        >>> model = transformers.GPT2LMHeadModel(config)
         >>> mark_sequence_parallel(model.transformer.h[0].ln_1)
     """
     for param in module.parameters():
@@ -49,7 +52,13 @@ def allreduce_sequence_parallel_grads(model: nn.Module, group: Any = None) -> in
     Call it after ``loss.backward()`` and before the optimizer step.
 
     Example:
-        >>> loss.backward(); allreduce_sequence_parallel_grads(model, group=mesh["tp"])
+        >>> import slapo, torch
+        >>> model = torch.nn.LayerNorm(4)
+        >>> mark_sequence_parallel(model)
+        >>> loss = model(torch.randn(2, 4)).sum()
+        >>> # in a tensor-parallel job (torchrun): not run here
+        >>> mesh = slapo.sharding.init_parallel_mesh("cpu", tp=2)  # doctest: +SKIP
+        >>> loss.backward(); allreduce_sequence_parallel_grads(model, group=mesh["tp"])  # doctest: +SKIP
     """
     params = [p for p in model.parameters() if getattr(p, SP_TAG, False) and p.grad is not None]
     if not params:

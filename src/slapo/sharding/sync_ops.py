@@ -274,7 +274,8 @@ def all_gather_forward_output(
     reduce-scattered; with False the gradient is replicated and each rank keeps its own slice.
 
     Example (in a 2-rank job):
-        >>> y = all_gather_forward_output(torch.ones(2, 3), 0, group)  # shape (4, 3)
+        >>> group = None  # the tensor-parallel group (None: the default group)
+        >>> y = all_gather_forward_output(torch.ones(2, 3), 0, group)  # shape (4, 3)  # doctest: +SKIP
     """
     dim = _check_dim("all_gather_forward_output", dim)
     bwd = "reduce_scatter" if tensor_parallel_output_grad else "split"
@@ -285,7 +286,8 @@ def scatter_forward_output(inp: torch.Tensor, dim: int, group: Any = None) -> to
     """Keep this rank's slice of a replicated ``inp`` along ``dim``; backward all-gathers.
 
     Example (in a 2-rank job):
-        >>> y = scatter_forward_output(torch.arange(4.0), 0, group)  # rank 1: tensor([2., 3.])
+        >>> group = None  # the tensor-parallel group (None: the default group)
+        >>> y = scatter_forward_output(torch.arange(4.0), 0, group)  # rank 1: tensor([2., 3.])  # doctest: +SKIP
     """
     return scatter(inp, group=group, dim=_check_dim("scatter_forward_output", dim))
 
@@ -294,7 +296,8 @@ def reduce_forward_output(inp: torch.Tensor, group: Any = None) -> torch.Tensor:
     """All-reduce (sum) ``inp`` over ``group`` in forward; the gradient passes unchanged.
 
     Example (in a 2-rank job):
-        >>> y = reduce_forward_output(torch.ones(2), group)  # tensor([2., 2.])
+        >>> group = None  # the tensor-parallel group (None: the default group)
+        >>> y = reduce_forward_output(torch.ones(2), group)  # tensor([2., 2.])  # doctest: +SKIP
     """
     return all_reduce(inp, group=group)
 
@@ -303,7 +306,8 @@ def reduce_scatter_forward_output(inp: torch.Tensor, dim: int, group: Any = None
     """Sum ``inp`` over ``group`` and keep this rank's slice along ``dim``; backward all-gathers.
 
     Example (in a 2-rank job):
-        >>> y = reduce_scatter_forward_output(torch.ones(4, 3), 0, group)  # (2, 3), all 2.0
+        >>> group = None  # the tensor-parallel group (None: the default group)
+        >>> y = reduce_scatter_forward_output(torch.ones(4, 3), 0, group)  # (2, 3), all 2.0  # doctest: +SKIP
     """
     return reduce_scatter(inp, group=group, dim=_check_dim("reduce_scatter_forward_output", dim))
 
@@ -315,7 +319,9 @@ def reduce_backward_grad(inp: torch.Tensor, group: Any = None) -> torch.Tensor:
     is a partial sum.
 
     Example (in a 2-rank job):
-        >>> x = reduce_backward_grad(hidden, group)  # then a column-parallel linear
+        >>> group = None  # the tensor-parallel group (None: the default group)
+        >>> hidden = torch.ones(2, 4, requires_grad=True)
+        >>> x = reduce_backward_grad(hidden, group)  # then a column-parallel linear  # doctest: +SKIP
     """
     group = resolve_group(group, "reduce_backward_grad")
     return on_grad(inp, lambda grad: all_reduce(grad, group=group))

@@ -83,7 +83,9 @@ def vocab_parallel_cross_entropy(
         reduction: ``"mean"`` (over non-ignored targets), ``"sum"`` or ``"none"``.
 
     Example (each of 2 ranks holds 48 of 96 logits):
-        >>> loss = vocab_parallel_cross_entropy(local_logits, labels, group=None, vocab_size=96)
+        >>> local_logits = torch.randn(4, 48, requires_grad=True)  # this rank's half of the logits
+        >>> labels = torch.randint(0, 96, (4,))
+        >>> loss = vocab_parallel_cross_entropy(local_logits, labels, group=None, vocab_size=96)  # doctest: +SKIP
     """
     pg = resolve_group(group)
     world = dist.get_world_size(pg)

@@ -74,7 +74,7 @@ def require_distributed(target: str) -> None:
     Example:
         >>> require_distributed("ddp")  # without slapo.env.setup()
         Traceback (most recent call last):
-        TargetError: target "ddp" needs torch.distributed: ...
+        slapo.exceptions.TargetError: target "ddp" needs torch.distributed: ...
     """
     if not dist.is_available() or not dist.is_initialized():
         raise TargetError(
@@ -87,7 +87,10 @@ def as_process_group(group: Any, target: str) -> dist.ProcessGroup | None:
     """The process group of ``group``: a ProcessGroup, a 1-D DeviceMesh, or None (the world).
 
     Example:
-        >>> as_process_group(mesh["dp"], "ddp")  # a 2-D mesh's data-parallel dimension
+        >>> import slapo
+        >>> # on each rank of a 4-rank job with dp=2, tp=2 (torchrun): not run here
+        >>> mesh = slapo.sharding.init_parallel_mesh("cpu", tp=2)  # doctest: +SKIP
+        >>> as_process_group(mesh["dp"], "ddp")  # a 2-D mesh's data-parallel dimension  # doctest: +SKIP
     """
     if group is None or isinstance(group, dist.ProcessGroup):
         return group
@@ -109,6 +112,8 @@ def as_device_mesh(group: Any, target: str, device_type: str) -> DeviceMesh:
     """A 1-D DeviceMesh over ``group`` (None: every rank), as FSDP2 wants one.
 
     Example:
+        >>> import slapo
+        >>> env = slapo.env.setup(rank=0, world_size=1)
         >>> as_device_mesh(None, "fsdp", "cpu").size() == dist.get_world_size()
         True
     """
@@ -138,6 +143,10 @@ def default_blocks(sch: Schedule) -> list[str]:
     """The paths of every block in a list of layers (``transformer.h.0``, ...), pre-order.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
         >>> default_blocks(slapo.create_schedule(gpt2))
         ['transformer.h.0', 'transformer.h.1']
     """

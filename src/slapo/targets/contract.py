@@ -63,6 +63,7 @@ def split_batch(batch: Batch, with_target: bool) -> tuple[tuple[Any, ...], dict[
     """``(args, kwargs, target)`` of a batch; ``target`` is None unless ``with_target``.
 
     Example:
+        >>> ids, x, y = torch.zeros(2, 8, dtype=torch.long), torch.ones(2, 4), torch.zeros(2)
         >>> split_batch({"input_ids": ids, "labels": ids}, with_target=True)[1].keys()
         dict_keys(['input_ids'])
         >>> split_batch((x, y), with_target=True)[0] == (x,)
@@ -134,6 +135,12 @@ def train_step(model: Any, batch: Batch, loss_fn: LossFn | None = None) -> torch
             with its own ``train_step`` (the pipeline engine) takes its loss_fn at build.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
+        >>> sch, target = slapo.create_schedule(gpt2), "eager"
+        >>> ids = torch.randint(0, 50257, (2, 8))
         >>> model, opt = slapo.build(sch, target=target, optimizer=torch.optim.AdamW)
         >>> loss = slapo.train_step(model, {"input_ids": ids, "labels": ids})
         >>> opt.step(); opt.zero_grad()

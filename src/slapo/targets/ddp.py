@@ -46,7 +46,14 @@ def build_ddp(
     Hugging Face ``Trainer`` keeps the dataset columns the model takes.
 
     Example:
-        >>> slapo.env.setup()
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
+        >>> env = slapo.env.setup()  # a world of one here; torchrun's ranks in a job
+        >>> sch = slapo.create_schedule(gpt2)
+        >>> ids = torch.randint(0, 50257, (2, 8))
+        >>> batch_slice_of_this_rank = {"input_ids": ids, "labels": ids}
         >>> model, opt = slapo.build(sch, target="ddp", optimizer=torch.optim.AdamW)
         >>> loss = slapo.train_step(model, batch_slice_of_this_rank); opt.step(); opt.zero_grad()
     """

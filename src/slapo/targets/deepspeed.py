@@ -134,6 +134,7 @@ def build_deepspeed(
     rank's parameters under the model's names.
 
     Example:
+        >>> import slapo
         >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=2,
         ...                           optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3})
         >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})
@@ -231,6 +232,7 @@ class DeepSpeedOptimizer:
     ``state_dict()`` and ``load_state_dict()`` are its.
 
     Example:
+        >>> import slapo
         >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=1,
         ...                           optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
         >>> loss = slapo.train_step(engine, batch)

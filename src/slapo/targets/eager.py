@@ -33,8 +33,16 @@ def build_eager(
     (:mod:`slapo.targets.mixed_precision`).
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
+        >>> sch = slapo.create_schedule(gpt2)
+        >>> ids = torch.randint(0, 50257, (2, 8))
+        >>> batch = {"input_ids": ids, "labels": ids}
         >>> model, opt = slapo.build(sch, optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
         >>> loss = slapo.train_step(model, batch); opt.step(); opt.zero_grad()
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
         >>> model, opt = slapo.build(sch, precision="bf16", optimizer=torch.optim.AdamW)
     """
     precision = Precision.of(precision)

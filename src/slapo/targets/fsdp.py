@@ -61,6 +61,12 @@ def build_fsdp(
     gathers one.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2)
+        >>> gpt2 = transformers.GPT2LMHeadModel(config)
+        >>> import slapo
+        >>> env = slapo.env.setup(rank=0, world_size=1)  # a world of one here
+        >>> sch = slapo.create_schedule(gpt2)
         >>> model, opt = slapo.build(sch, target="fsdp", optimizer=torch.optim.AdamW,
         ...                          precision="bf16")
     """

@@ -104,6 +104,7 @@ class PipelineEngine:
     (:attr:`built` turns True then); every later batch must have that batch's shapes.
 
     Example:
+        >>> import slapo
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="1F1B",
         ...                           num_microbatches=4, loss_fn=loss, optimizer=torch.optim.SGD)
         >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})  # builds
@@ -363,6 +364,7 @@ class PipelineEngine:
         the step, before ``optimizer.step()``, on every rank.
 
         Example:
+            >>> import slapo
             >>> loss = slapo.train_step(engine, batch)
             >>> engine.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
         """
@@ -534,6 +536,7 @@ def build_pipeline(
         timeout: seconds a rank waits for the others' reports when a stage fails.
 
     Example:
+        >>> import slapo
         >>> sch["transformer.h.0"].cut_pipeline_stage()
         >>> engine, opt = slapo.build(sch, target="pipeline", schedule="GPipe", num_microbatches=2,
         ...     loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),

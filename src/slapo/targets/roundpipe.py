@@ -64,6 +64,8 @@ def build_roundpipe(
         **roundpipe_kwargs: passed to ``roundpipe.wrap_model_to_roundpipe``.
 
     Example:
+        >>> import roundpipe
+        >>> import slapo
         >>> sch = slapo.create_schedule(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
         >>> sch["1"].cut_pipeline_stage()
         >>> model, opt = slapo.build(sch, target="roundpipe", num_microbatch=2,

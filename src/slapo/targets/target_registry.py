@@ -153,6 +153,8 @@ def init_target_engine(sch: Schedule, target: str | None, **kwargs: Any) -> tupl
     """Initialize the runtime engine of ``target`` for the schedule; returns (model, optimizer).
 
     Example:
+        >>> from torch import nn
+        >>> import slapo
         >>> model, opt = init_target_engine(slapo.create_schedule(nn.Linear(2, 2)), None)
     """
     record = get_record(target)

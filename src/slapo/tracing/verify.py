@@ -25,7 +25,7 @@ def pin_unsound_dims(
     dimension in ``gm``'s guard (``attr``) to the captured size. Returns whether it did.
 
     Example:
-        >>> # called by export_module; see tests/graph/test_trace_fidelity.py
+        >>> # called by export_module; see tests/tracing/test_trace_fidelity.py
     """
     guard = getattr(gm, attr, None)
     if not isinstance(guard, SignatureGuard) or _hooked(mod):

@@ -27,7 +27,8 @@ pipeline (``--target pipeline --num-stages N``) parallel.
 
 Example:
     >>> from slapo.train import TrainConfig, train
-    >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
+    >>> # three real training steps take 10-30 seconds on a laptop CPU: not run by the test suite
+    >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ class TrainConfig:
     ``batch_size``; ``--no-progress`` for ``progress``).
 
     Example:
-        >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
+        >>> from slapo.train import train
+        >>> # three real training steps take 10-30 seconds on a laptop CPU: not run by the test suite
+        >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))  # doctest: +SKIP
     """
 
     model: str = option(
@@ -244,7 +246,7 @@ class TrainConfig:
         Example:
             >>> TrainConfig(steps=0).check()
             Traceback (most recent call last):
-            InputError: --steps must be positive, got 0
+            slapo.exceptions.InputError: --steps must be positive, got 0
         """
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata

@@ -5,8 +5,15 @@ The eval batches are drawn once, with a seed of their own, so every evaluation o
 a resumed run) sees the same tokens, and evaluating draws nothing from the training's RNG.
 
 Example:
+    >>> from slapo.train import TrainConfig, prepare_inputs
+    >>> from slapo.train.evaluation import Evaluator, eval_batches
+    >>> from slapo.train.presets import build_model
+    >>> cfg = TrainConfig(eval_fraction=0.1)
+    >>> inputs = prepare_inputs(cfg)
+    >>> # the numbers are those of a model trained a while; a fresh one scores worse: not run here
+    >>> model = build_model(cfg)  # doctest: +SKIP
     >>> evaluator = Evaluator(eval_batches(cfg, inputs))
-    >>> evaluator(model)
+    >>> evaluator(model)  # doctest: +SKIP
     {'loss': 4.81, 'perplexity': 122.7}
 """
 
@@ -34,6 +41,8 @@ def eval_batches(cfg: TrainConfig, inputs: RunInputs) -> list[dict[str, torch.Te
     """The batches every evaluation of the run scores (the same on every rank).
 
     Example:
+        >>> from slapo.train import prepare_inputs
+        >>> cfg = TrainConfig(eval_fraction=0.1)
         >>> len(eval_batches(TrainConfig(eval_fraction=0.1), prepare_inputs(cfg)))
         4
     """
@@ -64,6 +73,11 @@ class Evaluator:
     """The mean loss over fixed batches, and its perplexity ``exp(loss)``.
 
     Example:
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)
+        >>> model = transformers.GPT2LMHeadModel(config)
+        >>> ids = torch.randint(0, 50257, (2, 8))
+        >>> batches = [{"input_ids": ids, "labels": ids}]
         >>> Evaluator(batches)(model)["perplexity"] > 1
         True
     """

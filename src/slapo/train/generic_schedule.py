@@ -3,6 +3,13 @@ without a ready schedule is scheduled with it, and a flag it cannot take fails b
 training, naming the flag.
 
 Example:
+    >>> from slapo.train.generic_schedule import describe_plan, generic_schedule
+    >>> import transformers
+    >>> config = transformers.Phi3Config(
+    ...     num_hidden_layers=4, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ... )
+    >>> model = transformers.Phi3ForCausalLM(config)
     >>> sch = generic_schedule(model, ckpt_ratio=0.5)
     >>> describe_plan(sch)
     'generic plan: 2 of 4 blocks (Phi3DecoderLayer, from _no_split_modules) checkpointed'
@@ -36,7 +43,7 @@ def check_knobs(knobs: dict[str, Any]) -> None:
     Example:
         >>> check_knobs({"fuse_ops": True})
         Traceback (most recent call last):
-        InputError: --fuse-ops: the generic plan ...
+        slapo.exceptions.InputError: --fuse-ops: the generic plan ...
     """
     for name, reason in family_limits(None).items():
         if knobs.get(name):
@@ -66,6 +73,13 @@ def describe_plan(sch: Schedule) -> str:
     """The plan a schedule was made with, in words, for the run summary.
 
     Example:
+        >>> import transformers
+        >>> from slapo.model_schedule import apply_schedule
+        >>> config = transformers.LlamaConfig(
+        ...     num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=32,
+        ... )
+        >>> llama = transformers.LlamaForCausalLM(config)
         >>> describe_plan(apply_schedule(llama, ckpt_ratio=0.5))
         'ready schedule of llama'
     """

@@ -6,6 +6,9 @@ at least one sequence. Each problem is an :class:`~slapo.train.config.InputError
 the flag or file and how to fix it (``slapo train`` exits with status 2, writing nothing).
 
 Example:
+    >>> from pathlib import Path
+    >>> from slapo.train import TrainConfig, prepare_inputs
+    >>> _ = Path("notes.txt").write_text("Plain text to train on, one byte per token. " * 200)
     >>> inputs = prepare_inputs(TrainConfig(model="phi3", data="notes.txt"))
     >>> inputs.tokenizer.name, inputs.tokens.dtype
     ('bytes', torch.uint16)

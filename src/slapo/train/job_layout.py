@@ -123,7 +123,8 @@ def setup_layout(cfg: TrainConfig, run: ResolvedRun | None = None) -> Layout:
     (dp / (ep / cp), ep / cp) and ep = (ep / cp) x cp, so each ep group spans whole cp groups.
 
     Example:
-        >>> setup_layout(TrainConfig(tp=2, pp=2)).describe()  # torchrun --nproc-per-node 8
+        >>> # on each of 8 processes (torchrun --nproc-per-node 8): not run here
+        >>> setup_layout(TrainConfig(tp=2, pp=2)).describe()  # doctest: +SKIP
         'dp 2 x pp 2 x tp 2 (8 processes)'
     """
     run = run or resolve_run(cfg)
@@ -264,6 +265,8 @@ def schedule_for(cfg: TrainConfig, model: nn.Module, layout: Layout, scheduled: 
     ``scheduled``.
 
     Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 4)  # a model of a family with a ready schedule, in a job
         >>> sch = schedule_for(TrainConfig(), model, Layout(), scheduled=True)  # doctest: +SKIP
     """
     if not scheduled:

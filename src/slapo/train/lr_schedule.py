@@ -82,6 +82,8 @@ def make_scheduler(optimizer: Any, cfg: TrainConfig) -> Any:
     engine's own) when the schedule is constant without warmup, which then needs none.
 
     Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> cfg = TrainConfig(lr_schedule="linear", warmup_steps=10, steps=100)
         >>> sched = make_scheduler(torch.optim.AdamW(model.parameters(), lr=1.0), cfg)
         >>> sched.get_last_lr()
         [0.1]

@@ -109,7 +109,12 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     token ``t`` predicts label ``t + 1``; the last position has no label (-100, ignored).
 
     Example:
-        >>> causal_lm_loss(model(ids).logits, ids)   # == model(ids, labels=ids).loss
+        >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2)
+        >>> model = transformers.GPT2LMHeadModel(config).eval()  # no dropout: same logits twice
+        >>> ids = torch.randint(0, 50257, (2, 8))
+        >>> loss = causal_lm_loss(model(ids).logits, ids)
+        >>> torch.testing.assert_close(loss, model(ids, labels=ids).loss)
     """
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shifted.flatten())

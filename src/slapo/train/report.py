@@ -1,7 +1,9 @@
 """What a run leaves: ``metrics.json`` and ``loss.png``, and the end-of-run table.
 
 Example:
-    >>> print(format_summary(train(TrainConfig(steps=3, progress=False))))
+    >>> from slapo.train import TrainConfig, train
+    >>> # three real training steps take 10-30 seconds on a laptop CPU: not run by the test suite
+    >>> print(format_summary(train(TrainConfig(steps=3, progress=False))))  # doctest: +SKIP
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def resolve_run(cfg: TrainConfig) -> ResolvedRun:
     :class:`~slapo.exceptions.InputError` naming the flag (``slapo train`` exits with status 2).
 
     Example:
-        >>> resolve_run(TrainConfig(device="cuda"))    # doctest: +SKIP  (no GPU here)
+        >>> # on a machine without a GPU; where one is visible this resolves instead: not run here
+        >>> resolve_run(TrainConfig(device="cuda"))    # doctest: +SKIP
         Traceback (most recent call last):
         InputError: --device cuda: no CUDA GPU is visible to this process ...
     """

@@ -138,6 +138,7 @@ def estimate_placement(cfg: Any) -> tuple[str, Any]:
     is fake), and its default precision is then bf16: that of a GPU that has it.
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> estimate_placement(TrainConfig(device="cpu"))
         ('cpu', Precision(name='fp32'))
         >>> estimate_placement(TrainConfig(device="cuda"))[1].name     # with or without a GPU
@@ -183,6 +184,7 @@ def layout_spec(
     :func:`estimate_placement`).
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> layout_spec(TrainConfig(pp=2, num_microbatches=4), rank=1).describe()
         'pipeline dp1 x pp2 x tp1 (1F1B, 4 microbatches)'
         >>> layout_spec(TrainConfig(target="fsdp", precision="bf16"), dp=8).describe()
@@ -226,6 +228,8 @@ def estimate_run(runner: Any, batches: Any) -> Any:
     on).
 
     Example:
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train import Runner
         >>> est = estimate_run(Runner(TrainConfig(), Layout(), True), make_batches(cfg, Layout()))
         >>> est.peak > 0
         True
@@ -344,6 +348,7 @@ def estimated_schedule(
     (:mod:`slapo.plan`) counts.
 
     Example:
+        >>> import slapo
         >>> with slapo.memory.fake_layout_groups(cp=2) as groups:
         ...     sch, local = estimated_schedule(cfg, layout_spec(cfg), batch, Layout(), groups)
     """
@@ -406,6 +411,7 @@ def estimate_config(
     unscheduled run.
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> print(estimate_config(TrainConfig(model="gpt2", preset="small", ckpt_ratio=1.0)))
         >>> estimate_config(TrainConfig(model="gpt2", target="fsdp"), dp=4).target
         'fsdp'
