@@ -25,9 +25,14 @@ maps onto it), :mod:`.optim` (optimizer state by parameter name), :mod:`.io` (sa
 
 Example:
     >>> import slapo
-    >>> import transformers
+    >>> import torch, transformers
+    >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64,
+    ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+    >>> engine = transformers.GPT2LMHeadModel(config)   # or what slapo.build returned
+    >>> optimizer = torch.optim.AdamW(engine.parameters())
     >>> slapo.save_checkpoint(engine, "ckpt", optimizer)    # every rank of any layout
-    >>> transformers.AutoModelForCausalLM.from_pretrained("ckpt")
+    >>> type(transformers.AutoModelForCausalLM.from_pretrained("ckpt")).__name__
+    'GPT2LMHeadModel'
 """
 
 from . import optim  # noqa: F401  (registers ZeRO's master weights with model_layout)

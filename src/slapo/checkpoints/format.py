@@ -7,7 +7,8 @@ holds ``model.safetensors``/``state.safetensors`` and the marker, whose ``tree``
 nesting. Reading parses JSON (``json``) and safetensors headers (``safe_open``), nothing else.
 
 Example:
-    >>> write_json(Path("ckpt.tmp-slapo") / MARKER, {"format": FORMAT})
+    >>> import torch, slapo
+    >>> slapo.save_checkpoint(torch.nn.Linear(2, 2), "ckpt")  # writes ckpt.tmp-slapo, renames it
     >>> read_marker(Path("ckpt"))["format"]
     'slapo-safetensors-v1'
 """
@@ -70,7 +71,9 @@ def write_json(file: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``file``, flushed to disk before returning.
 
     Example:
-        >>> write_json(Path("out.tmp/train_state.json"), {"step": 3})
+        >>> write_json(Path("train_state.json"), {"step": 3})
+        >>> json.loads(Path("train_state.json").read_text())
+        {'step': 3}
     """
     with open(file, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
@@ -96,7 +99,7 @@ def save_file(tensors: dict[str, torch.Tensor], file: Path) -> None:
     """Write ``tensors`` to the safetensors ``file`` (with the metadata transformers expects).
 
     Example:
-        >>> save_file({"w": torch.ones(2)}, Path("ckpt.tmp-slapo/model.safetensors"))
+        >>> save_file({"w": torch.ones(2)}, Path("model.safetensors"))
     """
     # looked up at call time: a test makes it fail (a full disk) on one rank
     safetensors.torch.save_file(_unshared(tensors), str(file), metadata=_ST_META)
@@ -126,8 +129,10 @@ def read_marker(root: Path) -> dict[str, Any]:
     """The marker of the checkpoint directory ``root``, checked to be one this Slapo reads.
 
     Example:
-        >>> read_marker(Path("ckpt"))["model_keys"][:1]
-        ['transformer.wte.weight']
+        >>> import slapo
+        >>> slapo.save_checkpoint(torch.nn.Linear(2, 2), "ckpt")
+        >>> read_marker(Path("ckpt"))["model_keys"]
+        ['weight', 'bias']
     """
     file = root / MARKER
     try:
@@ -167,8 +172,10 @@ class Reader:
     """The opened safetensors files of one checkpoint directory (header parsing only).
 
     Example:
+        >>> import slapo
+        >>> slapo.save_checkpoint(torch.nn.Linear(32, 96), "ckpt")
         >>> with contextlib.ExitStack() as stack:
-        ...     Reader(Path("ckpt"), stack).shape("model.safetensors", "lm_head.weight")
+        ...     Reader(Path("ckpt"), stack).shape("model.safetensors", "weight")
         (96, 32)
     """
 
@@ -279,7 +286,10 @@ def decode_tree(node: Any, reader: Reader, cache: dict[tuple, torch.Tensor]) -> 
     """The value :meth:`TreeEncoder.encode` encoded as ``node`` (tensors read by ``reader``).
 
     Example:
-        >>> decode_tree({"__tuple__": [1, 2]}, reader, {})
+        >>> import slapo
+        >>> slapo.save_checkpoint(torch.nn.Linear(2, 2), "ckpt")
+        >>> with contextlib.ExitStack() as stack:
+        ...     decode_tree({"__tuple__": [1, 2]}, Reader(Path("ckpt"), stack), {})
         (1, 2)
     """
     if isinstance(node, list):

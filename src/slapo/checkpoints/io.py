@@ -8,8 +8,14 @@ marker and swaps the directory in (:mod:`.atomic`). Loading reads the full tenso
 rank's part, whatever layout saved them.
 
 Example:
+    >>> import torch
+    >>> engine = torch.nn.Linear(4, 4)    # a pipeline engine's ranks each call it the same way
+    >>> optimizer = torch.optim.AdamW(engine.parameters())
     >>> save_checkpoint(engine, "ckpt", optimizer)        # on every rank of a pipeline
+    >>> model = torch.nn.Linear(4, 4)
     >>> load_checkpoint(model, "ckpt")                    # one process: the whole model
+    >>> torch.equal(model.weight, engine.weight)
+    True
 """
 
 from __future__ import annotations
@@ -139,8 +145,11 @@ def save_checkpoint(model: Any, path: str | os.PathLike, optimizer: Any = None) 
     nothing is pickled. Every layout writes the same tensors and marker.
 
     Example:
-        >>> import slapo
+        >>> import torch, slapo
+        >>> model = torch.nn.Linear(4, 4)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> slapo.save_checkpoint(model, "ckpt/step100", optimizer)
+        >>> other_layout_model = torch.nn.Linear(4, 4)    # e.g. built for another parallel layout
         >>> slapo.load_checkpoint(other_layout_model, "ckpt/step100")
     """
     path = Path(path)
@@ -227,7 +236,10 @@ def load_checkpoint(
     leaves the model as is.
 
     Example:
-        >>> import slapo
+        >>> import torch, slapo
+        >>> model = torch.nn.Linear(4, 4)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> slapo.save_checkpoint(model, "ckpt/step100", optimizer)
         >>> slapo.load_checkpoint(model, "ckpt/step100", optimizer)
     """
     path = Path(path)
@@ -330,6 +342,7 @@ def save_tree(path: str | os.PathLike, tree: dict[str, Any], config: Any = None)
     process saves its own ``path``: no collective.
 
     Example:
+        >>> model = torch.nn.Linear(4, 4)
         >>> save_tree("run/state", {"model": model.state_dict(), "rng": torch.get_rng_state()})
         >>> load_tree("run/state")["rng"].dtype
         torch.uint8
@@ -355,8 +368,11 @@ def load_tree(path: str | os.PathLike) -> dict[str, Any]:
     this rank's plain part: see :func:`dtensor_like`).
 
     Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> save_tree("run/state", {"model": model.state_dict()})
         >>> state = load_tree("run/state")
         >>> model.load_state_dict(state["model"])
+        <All keys matched successfully>
     """
     root, marker = locate(Path(path))
     if marker["format"] != TREE_FORMAT:
@@ -374,7 +390,12 @@ def dtensor_like(value: Any, template: Any) -> Any:
     ``value`` itself when ``template`` is no DTensor or the local shapes differ.
 
     Example:
-        >>> sd = {k: dtensor_like(v, live[k]) for k, v in load_tree(p)["model"].items()}
+        >>> model = torch.nn.Linear(4, 4)   # its tensors are DTensors once sharded (FSDP2)
+        >>> save_tree("run/state", {"model": model.state_dict()})
+        >>> live = model.state_dict()
+        >>> sd = {k: dtensor_like(v, live[k]) for k, v in load_tree("run/state")["model"].items()}
+        >>> type(sd["weight"]).__name__           # a plain template: the value itself
+        'Tensor'
     """
     if not isinstance(template, DTensor) or not isinstance(value, torch.Tensor):
         return value
@@ -400,8 +421,13 @@ def export_safetensors(model: Any, directory: str | os.PathLike) -> None:
 
     Example:
         >>> import transformers
+        >>> config = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=64,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> model = transformers.GPT2LMHeadModel(config)  # tensor parallel: each rank calls it
         >>> export_safetensors(model, "export/gpt2-tp2")
-        >>> transformers.GPT2LMHeadModel.from_pretrained("export/gpt2-tp2")
+        >>> loaded = transformers.GPT2LMHeadModel.from_pretrained("export/gpt2-tp2")
+        >>> torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+        True
     """
     directory = Path(directory)
     layout = model_layout(model)

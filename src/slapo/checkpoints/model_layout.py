@@ -18,9 +18,11 @@ The ranks agree on who writes what through :func:`all_gather_json` (JSON in byte
 torch's object collectives pickle, and a checkpoint load must never unpickle).
 
 Example:
-    >>> layout = model_layout(engine)           # a pipeline rank
-    >>> sorted(layout.state())[:1]
-    ['transformer.h.0.attn.c_attn.bias']
+    >>> import torch
+    >>> engine = torch.nn.Linear(2, 2)          # a plain module; a pipeline rank's engine alike
+    >>> layout = model_layout(engine)
+    >>> sorted(layout.state())                  # this rank's tensors under the model's names
+    ['bias', 'weight']
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ def all_reduce_max(values: list[int], what: str) -> list[int]:
     """Element-wise max of ``values`` over every rank (bounded by the group's timeout).
 
     Example:
-        >>> all_reduce_max([rank()], "the last rank")   # on 2 ranks
-        [1]
+        >>> all_reduce_max([rank()], "the last rank")   # one process; [1] on 2 ranks
+        [0]
     """
     if not _distributed():
         return values
@@ -98,8 +100,8 @@ def all_gather_json(value: Any, what: str) -> list[Any]:
     rank unpickles what another sent (``all_gather_object`` would).
 
     Example:
-        >>> all_gather_json({"keys": ["a"]}, "the keys")   # on 2 ranks
-        [{'keys': ['a']}, {'keys': ['a']}]
+        >>> all_gather_json({"keys": ["a"]}, "the keys")   # one process: one entry per rank
+        [{'keys': ['a']}]
     """
     if not _distributed():
         return [value]
@@ -125,6 +127,9 @@ def agree(what: str, fn: Callable[[], None] | None) -> None:
     A rank whose step raised does not leave the others waiting at a barrier: all of them raise.
 
     Example:
+        >>> from pathlib import Path
+        >>> from slapo.checkpoints.format import save_file
+        >>> mine, tmp = {"w": torch.ones(2)}, Path(".")
         >>> agree("writing ckpt", lambda: save_file(mine, tmp / "model.safetensors"))
     """
     error: BaseException | None = None
@@ -339,7 +344,16 @@ def model_layout(model: Any) -> ModelLayout:
     a pipeline engine (``stage_modules``, ``dp_rank``) or a RoundPipe model.
 
     Example:
-        >>> model_layout(engine).uniform    # a pipeline engine: each rank holds its stages
+        >>> model_layout(nn.Linear(2, 2)).uniform    # every rank holds the whole module
+        True
+        >>> # illustration: a pipeline engine (slapo.build(sch, target="pipeline") under
+        >>> # torchrun, one rank per stage); not run here
+        >>> import slapo
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> sch = slapo.create_schedule(model)
+        >>> sch["0"].cut_pipeline_stage()
+        >>> engine, _ = slapo.build(sch, target="pipeline")  # doctest: +SKIP
+        >>> model_layout(engine).uniform    # each rank holds its stages  # doctest: +SKIP
         False
     """
     stages = getattr(model, "stage_modules", None)
@@ -386,6 +400,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every sharded tensor gathered to its full shape (collective).
 
     Example:
-        >>> full = full_state_dict(model)  # on every rank of the tensor-parallel group
+        >>> model = nn.Linear(2, 2)   # tensor-parallel: every rank of its group calls it
+        >>> full = full_state_dict(model)
+        >>> sorted(full), full["weight"].shape
+        (['bias', 'weight'], torch.Size([2, 2]))
     """
     return model_layout(model).full_state()

@@ -54,11 +54,21 @@ save for backward may keep somewhat less (a compiled, selectively checkpointed l
 fewer activation bytes, its measured peak 4% below the estimate).
 
 Example:
+    >>> import torch, transformers
     >>> import slapo
+    >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    ...     vocab_size=64, use_cache=False)
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> ids = torch.randint(0, config.vocab_size, (2, 32))
     >>> sch = slapo.create_schedule(model)
     >>> sch["model.layers.0"].checkpoint()
     >>> est = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids})
     >>> print(est)                      # a table: parameters, gradients, ..., peak, by module
+    memory estimate: LlamaForCausalLM on cpu, optimizer AdamW
+      parameters ...
+      activations by block:
+        model.embed_tokens ...
     >>> est.fits("8GiB")                # the larger of peak and live_peak fits 8 GiB
     True
 """
@@ -139,8 +149,10 @@ class MemoryEstimate:
             ``cuda`` estimate on a torch without CUDA), else None.
 
     Example:
-        >>> import slapo
-        >>> est = slapo.estimate_memory(sch, batch)
+        >>> import torch, slapo
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
+        >>> batch = (torch.ones(8, 64), torch.zeros(8, 64))     # (inputs, target)
+        >>> est = slapo.estimate_memory(model, batch, loss_fn=torch.nn.functional.mse_loss)
         >>> est.peak == est.params + est.buffers + est.grads + est.optimizer_state + est.activations
         True
         >>> est.fits("8GiB")
@@ -198,8 +210,11 @@ class MemoryEstimate:
         2 MiB segments. The temporaries of ``live_peak`` are counted unrounded.
 
         Example:
-            >>> est.reserved >= est.required
-            True
+            >>> import torch, slapo
+            >>> model, mse = torch.nn.Linear(64, 64), torch.nn.functional.mse_loss
+            >>> est = slapo.estimate_memory(model, (torch.ones(8, 64),) * 2, loss_fn=mse)
+            >>> est.reserved >= est.required, est.reserved      # one 2 MiB segment
+            (True, 2097152)
         """
         return reserved_bytes(self.required, sum(self.rounding.values()))
 
@@ -219,8 +234,13 @@ class MemoryEstimate:
         (``model.layers.3.mlp.up_proj`` -> ``model.layers.3``), other paths after two names.
 
         Example:
-            >>> list(est.by_block())[:3]
-            ['model.embed_tokens', 'model.layers.0', 'model.layers.1']
+            >>> import torch, slapo
+            >>> inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+            >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), inner)
+            >>> batch, mse = (torch.ones(2, 8), torch.zeros(2, 8)), torch.nn.functional.mse_loss
+            >>> est = slapo.estimate_memory(model, batch, loss_fn=mse)
+            >>> list(est.by_module), list(est.by_block())      # "1.0" and "1.1" in block "1"
+            (['0', '1.0', '1.1', ''], ['0', '1', '(root)'])
         """
         out: dict[str, int] = {}
         for path, nbytes in self.by_module.items():
@@ -296,9 +316,19 @@ def fake_process_group(world_size: int, rank: int = 0) -> Iterator[Any]:
     built over it shards as on a real rank, so :func:`estimate_memory` gives that rank's share.
 
     Example:
-        >>> with fake_process_group(4) as group:
+        >>> import torch, transformers
+        >>> import slapo
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, config.vocab_size, (2, 32))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> with fake_process_group(2) as group:
         ...     sch = slapo.model_schedule.apply_schedule(model, group=group)
-        ...     est = slapo.estimate_memory(sch, batch)     # one rank of 4
+        ...     est = slapo.estimate_memory(sch, batch)     # one rank of 2
+        >>> est.params < slapo.estimate_memory(transformers.LlamaForCausalLM(config), batch).params
+        True
     """
     import torch.distributed as dist
     from torch.testing._internal.distributed import fake_pg  # noqa: F401  (registers "fake")
@@ -330,6 +360,15 @@ def fake_layout_groups(
     as any other, an ep rank as many experts).
 
     Example:
+        >>> import torch, transformers
+        >>> import slapo
+        >>> from slapo.sharding.context_parallel import context_parallel
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, config.vocab_size, (2, 32))
+        >>> batch = {"input_ids": ids, "labels": ids}
         >>> with fake_layout_groups(tp=2, cp=2) as groups:
         ...     cp = context_parallel(model, groups["cp"])
         ...     est = slapo.estimate_memory(model, cp.model_batch(batch))   # one rank of 4
@@ -731,13 +770,20 @@ def estimate_memory(
 
     Example:
         >>> import slapo
-        >>> import transformers
+        >>> import torch, transformers
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
         >>> model = transformers.LlamaForCausalLM(config)
         >>> sch = slapo.model_schedule.apply_schedule(model, ckpt_ratio=0.5)
-        >>> ids = torch.randint(0, config.vocab_size, (8, 512))
+        >>> ids = torch.randint(0, config.vocab_size, (2, 32))
         >>> est = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids},
         ...                             optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
         >>> print(est)
+        memory estimate: LlamaForCausalLM on cpu, optimizer SGD
+        ...
+          optimizer state                      0 B
+        ...
         >>> bf16 = slapo.estimate_memory(sch, {"input_ids": ids, "labels": ids}, precision="bf16")
         >>> bf16.activations < est.activations, bf16.grads == est.grads
         (True, True)

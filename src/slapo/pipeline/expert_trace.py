@@ -161,7 +161,11 @@ def opaque_expert_dispatch() -> Iterator[None]:
     node (restored on exit).
 
     Example:
-        >>> with opaque_expert_dispatch():
+        >>> import torch
+        >>> # illustration: tracing an expert-parallel model, built on several ranks; not run here
+        >>> ep_model = torch.nn.Embedding(100, 8)   # stands in for it
+        >>> ids = torch.randint(0, 100, (2, 8))
+        >>> with opaque_expert_dispatch():  # doctest: +SKIP
         ...     pipe = torch.distributed.pipelining.pipeline(ep_model, (ids,), {})
     """
     saved = _ep_module.dispatch_combine

@@ -9,9 +9,15 @@ runs and adds them back after, so that accumulating over several steps (no ``zer
 between) sums each step's finished gradient once, as DDP does.
 
 Example:
-    >>> with FreshGrads(params):
-    ...     schedule.step(ids, target=labels)
-    ...     ties(); ReplicaGradAverage(dp_group)(params)
+    >>> # illustration: one step of a pipeline rank with data-parallel replicas, as the
+    >>> # engine of slapo.targets.pipeline runs it under torchrun; not run here
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 4)
+    >>> params = list(model.parameters())
+    >>> dp_group = torch.distributed.new_group()  # doctest: +SKIP
+    >>> with FreshGrads(params):  # doctest: +SKIP
+    ...     model(torch.ones(2, 4)).sum().backward()   # the pipeline schedule's step
+    ...     ReplicaGradAverage(dp_group)(params)
 """
 
 from __future__ import annotations
@@ -48,8 +54,15 @@ class FreshGrads:
     pipeline's gradient passes may then sum over ranks without summing older steps again.
 
     Example:
-        >>> with FreshGrads(list(model.parameters())):
-        ...     loss.backward(); average(params)   # reduces this backward's gradients only
+        >>> model = torch.nn.Linear(2, 1)
+        >>> params = list(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward()     # an earlier step's gradient
+        >>> with FreshGrads(params):
+        ...     model(torch.ones(1, 2)).sum().backward()
+        ...     print(model.bias.grad)   # this backward's gradient only (reduce it here)
+        tensor([1.])
+        >>> model.bias.grad     # both steps again after the block
+        tensor([2.])
     """
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
@@ -79,7 +92,11 @@ class ReplicaGradAverage:
     any replica (the replicas run the same graph) and is skipped.
 
     Example:
-        >>> ReplicaGradAverage(mesh["dp"].get_group())(engine.parameters())
+        >>> import slapo
+        >>> # illustration: each rank of a 4-rank job (torchrun) with dp=2; not run here
+        >>> mesh = slapo.sharding.init_parallel_mesh("cpu", dp=2, tp=2)  # doctest: +SKIP
+        >>> model = torch.nn.Linear(4, 4)
+        >>> ReplicaGradAverage(mesh["dp"].get_group())(model.parameters())  # doctest: +SKIP
     """
 
     def __init__(self, group: dist.ProcessGroup, bucket_bytes: int = BUCKET_BYTES) -> None:
@@ -117,8 +134,15 @@ def global_grad_norm(
     weight on one of its stages); their squared sums are added over each group of ``groups``.
 
     Example:
-        >>> global_grad_norm([p.grad for p in mine], [pp_group, tp_group])
-        tensor(1.2345)
+        >>> global_grad_norm([torch.full((2,), 3.0), torch.full((1,), 4.0)], [None])  # one rank
+        tensor(5.8310, dtype=torch.float64)
+        >>> # illustration: on each rank of a 4-rank pipeline x tensor-parallel job; not run here
+        >>> import slapo
+        >>> mesh = slapo.sharding.init_parallel_mesh("cpu", pp=2, tp=2)  # doctest: +SKIP
+        >>> pp_group, tp_group = mesh["pp"].get_group(), mesh["tp"].get_group()  # doctest: +SKIP
+        >>> mine = [torch.ones(2)]    # this rank's counted gradients
+        >>> global_grad_norm(mine, [pp_group, tp_group])  # doctest: +SKIP
+        tensor(2.)
     """
     device = counted[0].device if counted else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)

@@ -9,8 +9,15 @@ checkpoints there, with the policy each was given, so a stage saves what the uns
 would.
 
 Example:
-    >>> ckpts = checkpointed_modules(sch)          # {"transformer.h.1": None, ...}
-    >>> missed = checkpoint_stages(part.stages, ckpts)
+    >>> import torch, slapo
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    >>> sch = slapo.create_schedule(model)
+    >>> sch["0"].checkpoint()
+    >>> ckpts, partial = checkpointed_modules(sch)
+    >>> ckpts, partial        # "0" checkpointed whole (None: the full policy)
+    ({'0': None}, [])
+    >>> checkpoint_stages([model], ckpts)   # a stage runs "0" whole: nothing missed
+    []
 """
 
 from __future__ import annotations

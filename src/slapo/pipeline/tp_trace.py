@@ -103,7 +103,11 @@ def opaque_collectives() -> Iterator[None]:
     single custom-op nodes.
 
     Example:
-        >>> with opaque_collectives():
+        >>> import torch
+        >>> # illustration: tracing a tensor-parallel model, built on several ranks; not run here
+        >>> tp_model = torch.nn.Embedding(100, 8)   # stands in for it
+        >>> ids = torch.randint(0, 100, (2, 8))
+        >>> with opaque_collectives():  # doctest: +SKIP
         ...     pipe = torch.distributed.pipelining.pipeline(tp_model, (ids,), {})
     """
     names = [(collectives, n) for n in ("_AllReduce", "_AllGather", "_ReduceScatter", "_Scatter")]

@@ -182,7 +182,10 @@ def run_plan(args: argparse.Namespace) -> int:
     """Handle parsed ``plan`` arguments; return the exit code (0: a layout fits; 1: none does).
 
     Example:
-        >>> run_plan(build_parser().parse_args(["plan", "--model", "llama", "--size", "8b"]))
+        >>> from slapo.cli import build_parser
+        >>> args = build_parser().parse_args(["plan", "--model", "llama", "--size", "8b"])
+        >>> # illustration: tracing and ranking every layout of an 8B model takes seconds
+        >>> run_plan(args)  # prints the ranked layouts  # doctest: +SKIP
         0
     """
     try:

@@ -15,8 +15,19 @@ the whole model). ``tests/plan/test_profile.py`` checks the extension against th
 the whole model.
 
 Example:
-    >>> profile = profile_config(cfg, spec)             # a TrainConfig and its LayoutSpec
-    >>> profile.estimate.required, profile.counts.flops[("forward", "matmul")]
+    >>> import transformers
+    >>> from slapo.train import TrainConfig
+    >>> from slapo.train.run_memory import layout_spec
+    >>> transformers.LlamaConfig(  # a config-only directory of a tiny 8-layer llama
+    ...     hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    ... ).save_pretrained("llama-8-layers")
+    >>> config = json.loads(Path("llama-8-layers/config.json").read_text())
+    >>> cfg = TrainConfig(model="./llama-8-layers", batch_size=2, seq_len=16, target="fsdp")
+    >>> with shallow_configs(config) as shallow:  # fake steps of 2 and 3 layers, extended to 8
+    ...     profile = profile_config(cfg, layout_spec(cfg, dp=4), shallow, 8)
+    >>> profile.estimate.required > 0, profile.counts.flops[("forward", "matmul")] > 0
+    (True, True)
 """
 
 from __future__ import annotations
@@ -77,7 +88,12 @@ def layer_list_path(model: nn.Module, layers: int) -> str:
     """The path of the ``nn.ModuleList`` of ``layers`` blocks holding most parameters.
 
     Example:
-        >>> layer_list_path(LlamaForCausalLM(cfg), cfg.num_hidden_layers)
+        >>> import transformers
+        >>> cfg = transformers.LlamaConfig(
+        ...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ... )
+        >>> layer_list_path(transformers.LlamaForCausalLM(cfg), cfg.num_hidden_layers)
         'model.layers'
     """
     best, best_n = None, -1
@@ -157,9 +173,10 @@ def shallow_configs(config: dict[str, Any]) -> Iterator[dict[int, str]]:
     """Config-only model directories of ``config`` cut to each of :data:`DEPTHS` layers.
 
     Example:
-        >>> with shallow_configs(json.load(open("llama-70b/config.json"))) as dirs:
+        >>> config = {"model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80}
+        >>> with shallow_configs(config) as dirs:  # in a temporary folder, removed after
         ...     sorted(dirs)
-        [1, 2]
+        [2, 3]
     """
     layers = config.get(_layers_key(config))
     if not isinstance(layers, int) or layers < 2:
@@ -186,7 +203,20 @@ def extend_to_depth(
     layer's entries of ``by_module`` repeated.
 
     Example:
-        >>> extend_to_depth(at_2, at_3, 80, "model.layers").activations
+        >>> import transformers
+        >>> import slapo
+        >>> def tiny_llama(layers):
+        ...     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        ...         hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        ...         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ...     ))
+        >>> ids = torch.randint(0, 256, (2, 16))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> at_2 = slapo.estimate_memory(tiny_llama(2), batch)
+        >>> at_3 = slapo.estimate_memory(tiny_llama(3), batch)
+        >>> at_80 = extend_to_depth(at_2, at_3, 80, "model.layers")
+        >>> at_80.activations == at_2.activations + 78 * (at_3.activations - at_2.activations)
+        True
     """
     n = (layers - depths[0]) / (depths[1] - depths[0])
     last = depths[1] - 1
@@ -293,8 +323,19 @@ def profile_config(
     (same tp, cp, ep, checkpointing, microbatch and engine cast) and the whole model's schedules.
 
     Example:
+        >>> import transformers
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train.run_memory import layout_spec
+        >>> transformers.LlamaConfig(  # a config-only directory of a tiny 8-layer llama
+        ...     hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ... ).save_pretrained("llama-8")
+        >>> config = json.loads(Path("llama-8/config.json").read_text())
+        >>> cfg = TrainConfig(model="./llama-8", batch_size=2, seq_len=16, target="fsdp")
         >>> with shallow_configs(config) as shallow:
-        ...     p = profile_config(cfg, layout_spec(cfg, dp=32), shallow, 80)
+        ...     p = profile_config(cfg, layout_spec(cfg, dp=32), shallow, 8)
+        >>> p.estimate.required > 0
+        True
     """
     cache = {} if cache is None else cache
     optimizer = (torch.optim.AdamW, {"lr": cfg.lr})

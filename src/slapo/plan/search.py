@@ -17,11 +17,17 @@ Two rules keep the search short without losing its best answers:
   the slower ones cannot rank higher.
 
 Example:
+    >>> import transformers
+    >>> transformers.LlamaConfig(  # Llama 3 70B's sizes: config.json only, no weights
+    ...     hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+    ...     num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+    ... ).save_pretrained("llama3-70b-config")
     >>> from slapo.plan import PRESETS
     >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
-    >>> best = plan_layouts("llama3-70b-config", cluster, gpus=256, seq_len=8192,
-    ...                     global_batch=256)[0]
-    >>> print(best.command(cluster))
+    >>> # illustration: predicting every layout of 256 GPUs takes a minute on a CPU
+    >>> best = plan_layouts("./llama3-70b-config", cluster, gpus=256, seq_len=8192,
+    ...                     global_batch=256)[0]  # doctest: +SKIP
+    >>> print(best.command(cluster))  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -133,7 +139,11 @@ class PlannedLayout:
         """The exact launch: ``torchrun`` over ``gpus`` processes, one node or several.
 
         Example:
-            >>> layout.command(cluster)
+            >>> from slapo.plan import PRESETS
+            >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)
+            >>> # illustration: the plan of a 70B config over 256 GPUs takes a minute on a CPU
+            >>> layout = plan_layouts("./llama3-70b-config", cluster, 256, 8192, 256)[0]  # doctest: +SKIP
+            >>> layout.command(cluster)  # doctest: +SKIP
             'torchrun --nnodes 32 --nproc-per-node 8 --rdzv-backend c10d ... -m slapo train ...'
         """
         if self.cfg.target == "roundpipe":  # one process drives the node's GPUs
@@ -230,9 +240,18 @@ def predict_config(
     config) and ``cache`` let many predictions share their fake steps.
 
     Example:
-        >>> cfg = TrainConfig(model="llama3-8b", device="cuda", precision="bf16", target="fsdp",
-        ...                   batch_size=2, seq_len=8192, ckpt_ratio=1.0)
-        >>> predict_config(cfg, cluster, dp=8).tokens_per_s_per_gpu
+        >>> import transformers
+        >>> from slapo.plan import PRESETS
+        >>> from slapo.train import TrainConfig
+        >>> transformers.LlamaConfig(  # Llama 3 8B's sizes: config.json only, no weights
+        ...     hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        ...     num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        ... ).save_pretrained("llama3-8b-config")
+        >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)
+        >>> cfg = TrainConfig(model="./llama3-8b-config", device="cuda", precision="bf16",
+        ...                   target="fsdp", batch_size=2, seq_len=8192, ckpt_ratio=1.0)
+        >>> predict_config(cfg, cluster, dp=8).tokens_per_s_per_gpu > 0
+        True
     """
     from ..train.run_memory import layout_spec
 
@@ -290,7 +309,11 @@ def candidate_layouts(
     must divide ``global_batch``.
 
     Example:
-        >>> next(candidate_layouts(config, TrainConfig(...), 8, 8, 16))[1]
+        >>> from slapo.train import TrainConfig
+        >>> config = {"num_attention_heads": 64, "num_key_value_heads": 8,
+        ...           "num_hidden_layers": 80, "model_type": "llama"}  # a config.json's keys
+        >>> base = TrainConfig(model="./llama3-70b-config", device="cuda", seq_len=8192)
+        >>> next(candidate_layouts(config, base, 8, 8, 16))[1]  # (TrainConfig, dp): dp 8
         8
     """
     heads = config["num_attention_heads"]
@@ -405,8 +428,17 @@ def plan_layouts(
     fitting, RoundPipe on one node is tried. ``min_cp_chunk``: see :func:`candidate_layouts`.
 
     Example:
-        >>> ranked = plan_layouts("llama3-70b", cluster, gpus=256, seq_len=8192, global_batch=256)
-        >>> ranked[0].fits
+        >>> import transformers
+        >>> transformers.LlamaConfig(  # Llama 3 70B's sizes: config.json only, no weights
+        ...     hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        ...     num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        ... ).save_pretrained("llama3-70b-config")
+        >>> from slapo.plan import PRESETS
+        >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
+        >>> # illustration: predicting every layout of 256 GPUs takes a minute on a CPU
+        >>> ranked = plan_layouts("./llama3-70b-config", cluster, gpus=256, seq_len=8192,
+        ...                       global_batch=256)  # doctest: +SKIP
+        >>> ranked[0].fits  # doctest: +SKIP
         True
     """
     from ..train.config import TrainConfig

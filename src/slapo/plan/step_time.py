@@ -38,10 +38,21 @@ backward is cut by :data:`COMPILE_MEMORY_TRAFFIC` (fusion) and activations by
 :data:`COMPILE_ACTIVATIONS` (the compiler saves less for backward).
 
 Example:
+    >>> import torch
+    >>> import transformers
+    >>> import slapo
+    >>> config = transformers.LlamaConfig(  # a tiny llama, random weights
+    ...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    ... )
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> ids = torch.randint(0, 256, (2, 16))
+    >>> sch, batch = slapo.create_schedule(model), {"input_ids": ids, "labels": ids}
     >>> from slapo.plan import PRESETS
     >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
     >>> pred = predict_step(sch, batch, cluster, target="fsdp", dp=8, precision="bf16")
     >>> print(pred)          # seconds, tokens/s per GPU, MFU, memory and their top terms
+    step ... tokens/s/GPU, MFU ...
 """
 
 from __future__ import annotations
@@ -240,9 +251,17 @@ class StepCounter(TorchDispatchMode):
             (:func:`shape_key`): what a rate measured per shape applies to.
 
     Example:
+        >>> import torch
+        >>> import transformers
         >>> import slapo
+        >>> config = transformers.LlamaConfig(  # a tiny llama, random weights
+        ...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 256, (2, 16))
         >>> with StepCounter() as c:
-        ...     slapo.estimate_memory(model, batch)
+        ...     _ = slapo.estimate_memory(model, {"input_ids": ids, "labels": ids})
         >>> c.flops[("forward", "matmul")] > 0
         True
     """
@@ -303,8 +322,25 @@ class StepCounts:
     one block, which is how the planner reaches 80 layers from fake steps of two and three.
 
     Example:
-        >>> one, two = StepCounts.of(counter_1), StepCounts.of(counter_2)
+        >>> import torch
+        >>> import transformers
+        >>> import slapo
+        >>> def fake_step(layers):  # the counts of a tiny llama of `layers` layers
+        ...     config = transformers.LlamaConfig(
+        ...         hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        ...         num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ...     )
+        ...     ids = torch.randint(0, 256, (2, 16))
+        ...     with StepCounter() as counter:
+        ...         _ = slapo.estimate_memory(
+        ...             transformers.LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
+        ...         )
+        ...     return StepCounts.of(counter)
+        >>> at_2, at_3 = fake_step(2), fake_step(3)
         >>> eighty = StepCounts.combine((at_2, -77), (at_3, 78))   # at_2 + 78 x (at_3 - at_2)
+        >>> key = ("forward", "matmul")
+        >>> eighty.flops[key] == at_2.flops[key] + 78 * (at_3.flops[key] - at_2.flops[key])
+        True
     """
 
     flops: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -518,6 +554,16 @@ def predict_step(
         A :class:`StepPrediction`.
 
     Example:
+        >>> import torch
+        >>> import transformers
+        >>> import slapo
+        >>> config = transformers.LlamaConfig(  # a tiny llama, random weights
+        ...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 256, (2, 16))
+        >>> sch = slapo.create_schedule(model)
         >>> from slapo.plan import PRESETS
         >>> c = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
         >>> pred = predict_step(sch, {"input_ids": ids, "labels": ids}, c, target="fsdp", dp=8)
@@ -569,7 +615,24 @@ def time_step(
             peak, as torchtitan reports it.
 
     Example:
-        >>> pred = time_step(counts, est, model, 16384, 8192, LayoutSpec("fsdp", dp=8), cluster)
+        >>> import torch
+        >>> import transformers
+        >>> import slapo
+        >>> config = transformers.LlamaConfig(  # a tiny llama, random weights
+        ...     hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        ... )
+        >>> model = transformers.LlamaForCausalLM(config)
+        >>> ids = torch.randint(0, 256, (2, 16))
+        >>> sch, spec = slapo.create_schedule(model), LayoutSpec("fsdp", dp=8)
+        >>> with StepCounter() as counter:  # the fake step predict_step runs
+        ...     base = layout_step(sch, {"input_ids": ids, "labels": ids}, spec, device="cuda")
+        >>> counts, est = StepCounts.of(counter), apply_layout(base, sch, spec)
+        >>> from slapo.plan import PRESETS
+        >>> cluster = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)
+        >>> pred = time_step(counts, est, model, 32, 16, spec, cluster)  # 2 x 16 tokens
+        >>> pred.seconds > 0
+        True
     """
     _check_cluster(cluster)
     dev = cluster.device

@@ -135,10 +135,16 @@ def build_deepspeed(
 
     Example:
         >>> import slapo
-        >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=2,
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> # illustration: every rank of a job started by torchrun or the deepspeed launcher
+        >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=2,  # doctest: +SKIP
         ...                           optimizer=torch.optim.AdamW, optimizer_kwargs={"lr": 1e-3})
-        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})
-        >>> opt.step(); opt.zero_grad()
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
+        >>> opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
     deepspeed = _import_deepspeed()
     require_distributed("deepspeed")
@@ -233,10 +239,17 @@ class DeepSpeedOptimizer:
 
     Example:
         >>> import slapo
-        >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=1,
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> batch = {"input_ids": ids, "labels": ids}
+        >>> # illustration: every rank of a job started by torchrun or the deepspeed launcher
+        >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=1,  # doctest: +SKIP
         ...                           optimizer=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
-        >>> loss = slapo.train_step(engine, batch)
-        >>> opt.step(); opt.zero_grad()
+        >>> loss = slapo.train_step(engine, batch)  # doctest: +SKIP
+        >>> opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
 
     def __init__(self, engine: Any, pipeline: bool = False) -> None:
@@ -292,7 +305,15 @@ def named_parameters(engine: Any) -> Iterator[tuple[str, nn.Parameter]]:
     ``deepspeed.zero.GatheredParameters`` to read them whole.
 
     Example:
-        >>> dict(named_parameters(engine))["lm_head.weight"].shape
+        >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> # illustration: a DeepSpeed engine, built on every rank of a job; not run here
+        >>> engine, _ = slapo.build(sch, target="deepspeed", zero_stage=1)  # doctest: +SKIP
+        >>> dict(named_parameters(engine))["transformer.wte.weight"].shape  # doctest: +SKIP
         torch.Size([96, 32])
     """
     from deepspeed.pipe import PipelineModule
@@ -315,8 +336,12 @@ class ParallelGroups:
     tensor-parallel group and ``group=``.
 
     Example:
-        >>> mpu = ParallelGroups(tp=mesh["tp"].get_group(), dp=mesh["dp"].get_group())
-        >>> mpu.get_data_parallel_world_size()
+        >>> import slapo
+        >>> # illustration: each rank of a 4-rank job (torchrun) with dp=2, tp=2; not run here
+        >>> mesh = slapo.sharding.init_parallel_mesh("cpu", dp=2, tp=2)  # doctest: +SKIP
+        >>> tp, dp = mesh["tp"].get_group(), mesh["dp"].get_group()  # doctest: +SKIP
+        >>> mpu = ParallelGroups(tp=tp, dp=dp)  # doctest: +SKIP
+        >>> mpu.get_data_parallel_world_size()  # doctest: +SKIP
         2
     """
 
@@ -503,7 +528,10 @@ def deepspeed_available() -> bool:
     """Whether DeepSpeed can be imported (its tests skip otherwise).
 
     Example:
-        >>> isinstance(deepspeed_available(), bool)
+        >>> import contextlib, io
+        >>> with contextlib.redirect_stdout(io.StringIO()):  # its first import prints a note
+        ...     available = deepspeed_available()
+        >>> isinstance(available, bool)
         True
     """
     try:

@@ -57,8 +57,13 @@ class DeepSpeedStage(nn.Module):
     (None on the last stage, whose output goes to the loss as it is).
 
     Example:
-        >>> layer = DeepSpeedStage(stage_module, carried=(None,), send=(False, True))
-        >>> hidden, mask_as_uint8 = layer(input_ids)
+        >>> class Stage(nn.Module):   # a traced stage: the ids in, a hidden state and a mask out
+        ...     def forward(self, ids):
+        ...         return ids.float() * 2, ids > 0
+        >>> layer = DeepSpeedStage(Stage(), carried=(None,), send=(False, True))
+        >>> hidden, mask_as_uint8 = layer(torch.tensor([[3, 0]]))
+        >>> hidden, mask_as_uint8    # the bool mask travels as uint8
+        (tensor([[6., 0.]]), tensor([[1, 0]], dtype=torch.uint8))
     """
 
     def __init__(
@@ -138,8 +143,18 @@ def build_pipeline_module(
     parameters of the stages other ranks run go back to the CPU after the build.
 
     Example:
-        >>> piped = build_pipeline_module(sch, ["transformer.h.0"], (ids,), 2, loss_fn, None)
-        >>> piped.micro_batch_size == ids.shape[0] // 2
+        >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> def loss_fn(logits, y):
+        ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        >>> # illustration: every rank of a 2-stage job under the deepspeed launcher; not run here
+        >>> cuts = ["transformer.h.0"]
+        >>> piped = build_pipeline_module(sch, cuts, (ids,), 2, loss_fn, None)  # doctest: +SKIP
+        >>> piped.micro_batch_size == ids.shape[0] // 2  # doctest: +SKIP
         True
     """
     from deepspeed.accelerator import get_accelerator
@@ -361,7 +376,16 @@ class PipelineTrainStep:
     batch (the first stage reads the inputs, the last the target).
 
     Example:
-        >>> loss = engine.train_step({"input_ids": ids, "labels": ids})
+        >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> sch["transformer.h.0"].cut_pipeline_stage()
+        >>> # illustration: every rank of a 2-stage job under the deepspeed launcher; not run here
+        >>> engine, opt = slapo.build(sch, target="deepspeed", zero_stage=1)  # doctest: +SKIP
+        >>> loss = engine.train_step({"input_ids": ids, "labels": ids})  # doctest: +SKIP
     """
 
     def __init__(self, engine: Any, piped: PipedModel) -> None:

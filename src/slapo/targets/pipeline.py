@@ -105,10 +105,19 @@ class PipelineEngine:
 
     Example:
         >>> import slapo
-        >>> engine, opt = slapo.build(sch, target="pipeline", schedule="1F1B",
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = labels = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+        >>> sch["transformer.h.0"].cut_pipeline_stage()
+        >>> def loss(logits, y):
+        ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+        >>> # illustration: every rank of a 2-stage job (torchrun, a rank per stage); not run
+        >>> engine, opt = slapo.build(sch, target="pipeline", schedule="1F1B",  # doctest: +SKIP
         ...                           num_microbatches=4, loss_fn=loss, optimizer=torch.optim.SGD)
-        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})  # builds
-        >>> opt.step(); opt.zero_grad()
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": labels})  # doctest: +SKIP
+        >>> opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
 
     def __init__(self, plan: _Plan, fail: FailTogether) -> None:
@@ -153,8 +162,20 @@ class PipelineEngine:
         :meth:`step` calls it on its first batch; ``slapo.build(..., example_inputs=)`` at build.
 
         Example:
-            >>> engine.build(ids)        # ids: one training batch, as step() takes it
-            >>> engine.built
+            >>> import slapo
+            >>> import torch, transformers
+            >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+            ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+            >>> ids = labels = torch.randint(0, config.vocab_size, (4, 8))
+            >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+            >>> sch["transformer.h.0"].cut_pipeline_stage()
+            >>> # illustration: every rank of a 2-stage job (torchrun, a rank per stage); not run
+            >>> def loss(logits, y):
+            ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            >>> engine, opt = slapo.build(sch, target="pipeline",  # doctest: +SKIP
+            ...     schedule="GPipe", num_microbatches=2, loss_fn=loss, optimizer=torch.optim.SGD)
+            >>> engine.build(ids)  # ids: one training batch, as step() takes it  # doctest: +SKIP
+            >>> engine.built  # doctest: +SKIP
             True
         """
         # deferred: torch.distributed.pipelining takes 0.4 s to import; only this target uses it
@@ -288,7 +309,19 @@ class PipelineEngine:
         ``labels``; a tuple is ``(inputs..., target)``. Returns :meth:`step`'s loss.
 
         Example:
-            >>> loss = engine.train_step({"input_ids": ids, "labels": labels})
+            >>> import slapo
+            >>> import torch, transformers
+            >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+            ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+            >>> ids = labels = torch.randint(0, config.vocab_size, (4, 8))
+            >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+            >>> sch["transformer.h.0"].cut_pipeline_stage()
+            >>> # illustration: every rank of a 2-stage job (torchrun, a rank per stage); not run
+            >>> def loss(logits, y):
+            ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            >>> engine, opt = slapo.build(sch, target="pipeline",  # doctest: +SKIP
+            ...     schedule="GPipe", num_microbatches=2, loss_fn=loss, optimizer=torch.optim.SGD)
+            >>> loss = engine.train_step({"input_ids": ids, "labels": labels})  # doctest: +SKIP
         """
         args, kwargs, target = split_batch(batch, with_target=True)
         named = self._names[len(args) :]
@@ -365,8 +398,20 @@ class PipelineEngine:
 
         Example:
             >>> import slapo
-            >>> loss = slapo.train_step(engine, batch)
-            >>> engine.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
+            >>> import torch, transformers
+            >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+            ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+            >>> ids = labels = torch.randint(0, config.vocab_size, (4, 8))
+            >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
+            >>> sch["transformer.h.0"].cut_pipeline_stage()
+            >>> batch = {"input_ids": ids, "labels": labels}
+            >>> # illustration: every rank of a 2-stage job (torchrun, a rank per stage); not run
+            >>> def loss(logits, y):
+            ...     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+            >>> engine, opt = slapo.build(sch, target="pipeline",  # doctest: +SKIP
+            ...     schedule="GPipe", num_microbatches=2, loss_fn=loss, optimizer=torch.optim.SGD)
+            >>> loss = slapo.train_step(engine, batch)  # doctest: +SKIP
+            >>> engine.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()  # doctest: +SKIP
         """
         if norm_type != 2.0:
             raise TargetError(f"pipeline: clip_grad_norm_ computes the 2-norm, not {norm_type}")
@@ -537,12 +582,21 @@ def build_pipeline(
 
     Example:
         >>> import slapo
+        >>> import torch, transformers
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96,
+        ...                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+        >>> ids = labels = torch.randint(0, config.vocab_size, (4, 8))
+        >>> sch = slapo.create_schedule(transformers.GPT2LMHeadModel(config))
         >>> sch["transformer.h.0"].cut_pipeline_stage()
-        >>> engine, opt = slapo.build(sch, target="pipeline", schedule="GPipe", num_microbatches=2,
+        >>> import torch.nn.functional as F
+        >>> # illustration: every rank of a 2-stage job (torchrun, a rank per stage); not run
+        >>> engine, opt = slapo.build(sch, target="pipeline",  # doctest: +SKIP
+        ...     schedule="GPipe", num_microbatches=2,
         ...     loss_fn=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
         ...     optimizer=torch.optim.AdamW)
-        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})  # builds stages
-        >>> opt.step(); opt.zero_grad()    # engine.step(ids, target=ids) is the same step
+        >>> loss = slapo.train_step(engine, {"input_ids": ids, "labels": ids})  # doctest: +SKIP
+        >>> # engine.step(ids, target=ids) is the same step
+        >>> opt.step(); opt.zero_grad()  # doctest: +SKIP
     """
     # deferred: torch.distributed.pipelining takes 0.4 s to import; only this target uses it
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class

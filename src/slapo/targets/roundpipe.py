@@ -133,6 +133,7 @@ def stage_plan(layers: list[nn.Module], cuts: list[tuple[str, nn.Module]]) -> An
     """A RoundPipe plan whose stages end after the layers holding the cut modules.
 
     Example:
+        >>> seq = nn.Sequential(*[nn.Linear(2, 2) for _ in range(5)])
         >>> stage_plan(list(seq), [("1", seq[1])]).fwd_plan   # 5 layers, a cut after layer 1
         [range(0, 2), range(2, 5)]
     """

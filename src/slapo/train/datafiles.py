@@ -7,8 +7,16 @@ What cannot be used raises an :class:`~slapo.train.config.InputError` naming the
 to fix it.
 
 Example:
+    >>> from pathlib import Path
+    >>> Path("corpus").mkdir()
+    >>> _ = Path("corpus/a.txt").write_text("def f():\\n    return 1\\n")
+    >>> _ = Path("corpus/b.jsonl").write_text('{"text": "hello"}\\n{"text": "world"}\\n')
     >>> files = data_files("corpus/")
+    >>> files
+    [PosixPath('corpus/a.txt'), PosixPath('corpus/b.jsonl')]
     >>> pieces = [p for f in files for batch in read_pieces(f, "text") for p in batch]
+    >>> pieces
+    [('def f():\\n    return 1\\n', True), ('hello', True), ('world', True)]
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ def data_files(data: str) -> list[Path]:
     """The files ``--data data`` names: itself, or every data file under a directory.
 
     Example:
+        >>> from pathlib import Path
+        >>> _ = Path("notes.txt").write_text("one document\\n")
         >>> data_files("notes.txt")
         [PosixPath('notes.txt')]
     """

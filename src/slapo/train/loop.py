@@ -6,8 +6,10 @@ A :class:`Runner` builds the scheduled model for ``cfg.target`` (with the option
 ``optimizer.zero_grad()``. Nothing in the loop names a target.
 
 Example:
-    >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
-    >>> len(summary["losses"])
+    >>> from slapo.train import TrainConfig, train
+    >>> # illustration: three real training steps take 10-30 seconds on a CPU
+    >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))  # doctest: +SKIP
+    >>> len(summary["losses"])  # doctest: +SKIP
     3
 """
 
@@ -77,6 +79,8 @@ def make_batches(
     take the same slice.
 
     Example:
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train.job_layout import Layout
         >>> make_batches(TrainConfig(batch_size=2, seq_len=16), Layout()).next()["input_ids"].shape
         torch.Size([2, 16])
     """
@@ -97,6 +101,8 @@ class ReplicaSlice:
     """One data-parallel rank's rows of the global batches of ``batches`` (with their state).
 
     Example:
+        >>> from slapo.data import ByteBatches, default_corpus
+        >>> corpus = default_corpus()
         >>> ReplicaSlice(ByteBatches(corpus, 4, 8), rank=1, rows=2).next()["input_ids"].shape
         torch.Size([2, 8])
     """
@@ -148,8 +154,12 @@ class Runner:
     :meth:`step` is one training step.
 
     Example:
-        >>> runner = Runner(TrainConfig(), Layout(), scheduled=True)
-        >>> loss = runner.step(make_batches(TrainConfig(), Layout()).next())
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train.job_layout import Layout
+        >>> cfg = TrainConfig(batch_size=2, seq_len=16)
+        >>> runner = Runner(cfg, Layout(), scheduled=True)
+        >>> # illustration: the first step compiles the scheduled layers, seconds on a CPU
+        >>> loss = runner.step(make_batches(cfg, Layout()).next())  # doctest: +SKIP
     """
 
     def __init__(
@@ -266,7 +276,10 @@ def run_once(
     resumes, evaluates, saves checkpoints and writes TensorBoard events as ``cfg`` says.
 
     Example:
-        >>> run_once(TrainConfig(steps=2, progress=False), Layout(), True, "scheduled")["label"]
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train.job_layout import Layout
+        >>> # illustration: two real training steps of the compiled model take seconds on a CPU
+        >>> run_once(TrainConfig(steps=2, progress=False), Layout(), True, "scheduled")["label"]  # doctest: +SKIP
         'scheduled'
     """
     inputs = inputs or prepare_inputs(cfg)
@@ -435,8 +448,10 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
     with ``compare``).
 
     Example:
-        >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))
-        >>> len(summary["losses"])
+        >>> from slapo.train import TrainConfig
+        >>> # illustration: three real training steps take 10-30 seconds on a CPU
+        >>> summary = train(TrainConfig(steps=3, batch_size=2, seq_len=16, progress=False))  # doctest: +SKIP
+        >>> len(summary["losses"])  # doctest: +SKIP
         3
     """
     cfg.check()

@@ -152,9 +152,11 @@ def check_weights(source: ModelSource) -> None:
     (training needs them; an estimate of a config-only directory does not).
 
     Example:
-        >>> check_weights(resolve_model("./config-only"))  # doctest: +SKIP
+        >>> import transformers
+        >>> transformers.GPT2Config(n_layer=2, n_embd=8, n_head=2).save_pretrained("config-only")
+        >>> check_weights(resolve_model("./config-only"))
         Traceback (most recent call last):
-        InputError: --model ./config-only holds no model.safetensors ...
+        slapo.exceptions.InputError: --model ./config-only holds no model.safetensors ...
     """
     path = source.path
     assert path is not None

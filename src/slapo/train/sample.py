@@ -5,8 +5,12 @@ tokens; BERT fills in the masked bytes of a line of the corpus; T5 (trained to c
 reproduces one.
 
 Example:
-    >>> lines = sample_text(model, "llama", seed=0)
-    >>> print("\\n".join(lines))
+    >>> from slapo.train import TrainConfig
+    >>> from slapo.train.presets import build_model
+    >>> model = build_model(TrainConfig(model="llama", preset="tiny"))  # random weights
+    >>> lines = sample_text(model, "llama", seed=0, new_tokens=16)
+    >>> lines[0][:4]  # the prompt, then what the model adds (gibberish before training)
+    'def '
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def sample_text(
     with ``seed``; the model is put back in the train/eval mode it was in.
 
     Example:
+        >>> from slapo.train import TrainConfig
+        >>> from slapo.train.presets import build_model
         >>> sample_text(build_model(TrainConfig(model="gpt2")), "gpt2", new_tokens=8)[0][:4]
         'def '
     """

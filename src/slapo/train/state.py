@@ -28,8 +28,21 @@ of the main job needs it now) saves each rank's whole state with
 :func:`slapo.checkpoints.save_tree` into ``DIR.rank<r>`` (``DIR`` itself for one process).
 
 Example:
+    >>> from slapo.train import TrainConfig
+    >>> from slapo.train.inputs import prepare_inputs
+    >>> from slapo.train.job_layout import Layout
+    >>> from slapo.train.loop import Runner, make_batches
+    >>> cfg = TrainConfig(batch_size=2, seq_len=16)  # a tiny llama, random weights
+    >>> runner = Runner(cfg, Layout(), scheduled=False)
+    >>> batches, identity = make_batches(cfg, Layout()), model_identity(cfg)
+    >>> run = runner.state(batches, new_record(), identity, prepare_inputs(cfg))
     >>> save_run(Path("out"), run)             # on every rank
+    >>> sorted(p.name for p in Path("out").iterdir())
+    ['config.json', 'model.safetensors', 'slapo_checkpoint.json',
+     'train_state-rank0.safetensors', 'train_state.json']
     >>> record = load_run(Path("out"), run)    # a new Runner's run, restored bit for bit
+    >>> record["losses"]
+    []
 """
 
 from __future__ import annotations
@@ -117,6 +130,7 @@ def model_identity(cfg: TrainConfig) -> dict[str, Any]:
     the meta device: nothing allocated, nothing read).
 
     Example:
+        >>> from slapo.train import TrainConfig
         >>> model_identity(TrainConfig(model="gpt2"))["model_type"]
         'gpt2'
     """
@@ -206,8 +220,11 @@ def find_checkpoint(path: str, rank: int = 0, world: int = 1) -> tuple[Path, str
     ``"per-rank"``): ``path`` itself, else its latest complete ``step-NNNNNN``.
 
     Example:
-        >>> find_checkpoint("out")   # out/ has step-000010 and step-000020, no final save
-        (PosixPath('out/step-000020'), 'full')
+        >>> for step in (10, 20):  # what --save-every left; the marker is written last
+        ...     step_dir("killed", step).mkdir(parents=True)
+        ...     _ = (step_dir("killed", step) / STATE_FILE).write_text("{}")
+        >>> find_checkpoint("killed")   # step-000010 and step-000020, no final save
+        (PosixPath('killed/step-000020'), 'full')
     """
     p = Path(path).expanduser()
     if _is_full(p):
@@ -234,7 +251,10 @@ def read_state(path: Path) -> dict[str, Any]:
     """The ``train_state.json`` of a full checkpoint, checked to be one.
 
     Example:
-        >>> read_state(Path("out"))["step"]
+        >>> import json
+        >>> Path("done").mkdir()
+        >>> _ = (Path("done") / STATE_FILE).write_text(json.dumps({"format": FORMAT, "step": 60}))
+        >>> read_state(Path("done"))["step"]
         60
     """
     try:
@@ -256,9 +276,11 @@ def check_model(path: Path, saved: Any, identity: dict[str, Any], cfg: TrainConf
     """Raise an :class:`InputError` when the checkpoint holds another model than the run's.
 
     Example:
+        >>> from slapo.train import TrainConfig
+        >>> cfg = TrainConfig(model="llama")
         >>> check_model(Path("out"), {"model_type": "gpt2"}, model_identity(cfg), cfg)
         Traceback (most recent call last):
-        InputError: --resume out holds a gpt2 model ...
+        slapo.exceptions.InputError: --resume out holds a gpt2 model ...
     """
     if saved == identity:
         return
@@ -279,7 +301,10 @@ def check_resume(cfg: TrainConfig, rank: int, world: int, identity: dict[str, An
     A per-rank checkpoint is checked when it loads (its state is read whole then).
 
     Example:
-        >>> check_resume(TrainConfig(resume="out", steps=100), 0, 1, identity)
+        >>> # illustration: "out" is a checkpoint --save wrote before step 100 (seconds to make)
+        >>> from slapo.train import TrainConfig
+        >>> identity = model_identity(TrainConfig())  # the run's model
+        >>> check_resume(TrainConfig(resume="out", steps=100), 0, 1, identity)  # doctest: +SKIP
         PosixPath('out')
     """
     assert cfg.resume is not None
@@ -316,9 +341,11 @@ def check_save(cfg: TrainConfig) -> None:
     saving replaces the directory, and must not take a user's files with it.
 
     Example:
+        >>> from slapo.train import TrainConfig
+        >>> _ = Path("notes.txt").write_text("mine")
         >>> check_save(TrainConfig(save="."))
         Traceback (most recent call last):
-        InputError: --save . holds files that are not a slapo train checkpoint ...
+        slapo.exceptions.InputError: --save . holds files that are not a slapo train checkpoint ...
     """
     if cfg.save is None:
         return
@@ -442,9 +469,11 @@ def save_run(path: Path, run: RunState, final: bool = True) -> None:
     ``--save-every`` keeps the ``step-NNNNNN`` checkpoints inside ``path``.
 
     Example:
+        >>> # illustration: run is a live run's RunState, as in the module's example (seconds)
         >>> import transformers
-        >>> save_run(Path("out"), run)
-        >>> transformers.AutoModelForCausalLM.from_pretrained("out")   # the trained weights
+        >>> run = None  # a RunState: slapo.train.loop.Runner(...).state(...)
+        >>> save_run(Path("out"), run)  # doctest: +SKIP
+        >>> transformers.AutoModelForCausalLM.from_pretrained("out")   # the trained weights  # doctest: +SKIP
     """
     if run.layout == "full":
         _save_full(path, run, carry_steps=final)
@@ -457,7 +486,10 @@ def prune_steps(save: str | Path, keep: int) -> list[Path]:
     returns the removed directories.
 
     Example:
-        >>> [p.name for p in prune_steps("out", keep=2)]
+        >>> for step in (10, 20, 30):  # what --save-every left; the marker is written last
+        ...     step_dir("steps", step).mkdir(parents=True)
+        ...     _ = (step_dir("steps", step) / STATE_FILE).write_text("{}")
+        >>> [p.name for p in prune_steps("steps", keep=2)]
         ['step-000010']
     """
     steps = _steps(Path(save))
@@ -533,7 +565,9 @@ def load_run(path: Path, run: RunState) -> dict[str, Any]:
     a per-rank checkpoint an older Slapo wrote for FSDP or RoundPipe still resumes.
 
     Example:
-        >>> len(load_run(Path("out/step-000020"), run)["losses"])
+        >>> # illustration: run is a live run's RunState and out/step-000020 its save at step 20
+        >>> run = None  # a RunState: slapo.train.loop.Runner(...).state(...)
+        >>> len(load_run(Path("out/step-000020"), run)["losses"])  # doctest: +SKIP
         20
     """
     return _load_full(path, run) if _is_full(path) else _load_per_rank(path, run)

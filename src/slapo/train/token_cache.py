@@ -9,9 +9,14 @@ The file appears atomically (written aside, then renamed), so concurrent runs (r
 torchrun) at worst tokenize twice.
 
 Example:
+    >>> from pathlib import Path
+    >>> from slapo.train.tokenizer import ByteTokenizer
+    >>> _ = Path("corpus.jsonl").write_text('{"text": "hi"}\\n{"text": "yo"}\\n')
     >>> data = load_tokens("corpus.jsonl", "text", ByteTokenizer())
-    >>> data.tokens.dtype, data.cached
-    (torch.uint16, False)
+    >>> data.tokens.dtype, data.cached, data.tokens.tolist()  # 0: end of text
+    (torch.uint16, False, [104, 105, 0, 121, 111, 0])
+    >>> load_tokens("corpus.jsonl", "text", ByteTokenizer()).cached  # the second run
+    True
 """
 
 from __future__ import annotations
@@ -75,6 +80,9 @@ def cache_key(root: Path, files: list[Path], field: str, tokenizer: Tokenizer) -
     """The hash that names the cache of ``files`` (under ``root``) tokenized by ``tokenizer``.
 
     Example:
+        >>> from pathlib import Path
+        >>> from slapo.train.tokenizer import ByteTokenizer
+        >>> _ = Path("a.txt").write_text("some text")
         >>> len(cache_key(Path("a.txt"), [Path("a.txt")], "text", ByteTokenizer()))
         24
     """
@@ -89,8 +97,9 @@ def cache_path(root: Path, key: str) -> Path:
     """Where the tokens of ``--data root`` with ``key`` are cached: beside ``root``.
 
     Example:
-        >>> cache_path(Path("data/train.jsonl"), "abc")
-        PosixPath('data/.slapo-cache/train.jsonl.abc.tokens')
+        >>> from pathlib import Path
+        >>> cache_path(Path("/data/train.jsonl"), "abc")  # a relative root is made absolute
+        PosixPath('/data/.slapo-cache/train.jsonl.abc.tokens')
     """
     root = root.expanduser().absolute()
     return root.parent / CACHE_DIR / f"{root.name}.{key}.tokens"
@@ -100,6 +109,7 @@ def tokenize(tokenizer: Tokenizer, pieces: list[Piece]) -> list[int]:
     """The ids of a batch of pieces, the end-of-text id after each document's last piece.
 
     Example:
+        >>> from slapo.train.tokenizer import ByteTokenizer
         >>> tokenize(ByteTokenizer(), [("hi", True), ("a", False)])
         [104, 105, 0, 97]
     """
@@ -143,8 +153,12 @@ def load_tokens(data: str, field: str, tokenizer: Tokenizer) -> TokenData:
     cached (where the data's folder is not writable: kept in memory, with a note on stderr).
 
     Example:
-        >>> load_tokens("corpus/", "text", tokenizer).tokens.shape
-        torch.Size([1048576])
+        >>> from pathlib import Path
+        >>> from slapo.train.tokenizer import ByteTokenizer
+        >>> Path("corpus").mkdir()
+        >>> _ = Path("corpus/a.txt").write_text("x" * 1000)
+        >>> load_tokens("corpus/", "text", ByteTokenizer()).tokens.shape  # and end of text
+        torch.Size([1001])
     """
     root = Path(data).expanduser()
     files = data_files(data)
@@ -190,7 +204,8 @@ def tokens_of_text(text: str, tokenizer: Tokenizer) -> torch.Tensor:
     """A text (the embedded corpus) tokenized in memory, in pieces cut at line ends.
 
     Example:
-        >>> tokens_of_text("def f():\\n    pass\\n", tokenizer).dtype
+        >>> from slapo.train.tokenizer import ByteTokenizer
+        >>> tokens_of_text("def f():\\n    pass\\n", ByteTokenizer()).dtype
         torch.int32
     """
     lines = text.splitlines(keepends=True)

@@ -86,8 +86,15 @@ class HFTokenizer:
     """A transformers tokenizer loaded from a directory (no special tokens added to text).
 
     Example:
+        >>> import tokenizers
         >>> import transformers
-        >>> tok = HFTokenizer(transformers.AutoTokenizer.from_pretrained("my-model"), "my-model")
+        >>> vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
+        >>> words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+        >>> words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+        >>> fast = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="</s>")
+        >>> tok = HFTokenizer(fast, "words")  # or AutoTokenizer.from_pretrained(a directory)
+        >>> tok.encode(["hello world"]), tok.vocab_size, tok.eos_id
+        ([[2, 3]], 4, 1)
     """
 
     def __init__(self, tokenizer: Any, name: str) -> None:
@@ -118,6 +125,11 @@ def has_tokenizer(path: Path) -> bool:
     """Whether a model directory carries tokenizer files.
 
     Example:
+        >>> from pathlib import Path
+        >>> Path("my-model").mkdir()
+        >>> has_tokenizer(Path("my-model"))
+        False
+        >>> _ = Path("my-model/tokenizer.json").write_text("{}")  # as save_pretrained writes
         >>> has_tokenizer(Path("my-model"))
         True
     """

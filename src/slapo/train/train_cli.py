@@ -5,7 +5,8 @@ field takes an optional value (``--fuse-ops``, ``--fuse-ops false``), or is ``--
 defaults to True (``--no-progress``).
 
 Example:
-    >>> parser = argparse.ArgumentParser(); add_parser(parser.add_subparsers())
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(); _ = add_parser(parser.add_subparsers())
     >>> parser.parse_args(["train", "--batch-size", "4"]).batch_size
     4
 """
@@ -128,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The :class:`TrainConfig` of parsed ``slapo train`` arguments.
 
     Example:
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser(); _ = add_parser(parser.add_subparsers())
         >>> config_from_args(parser.parse_args(["train", "--no-progress"])).progress
         False
     """
