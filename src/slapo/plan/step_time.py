@@ -587,6 +587,140 @@ def predict_step(
     )  # fmt: skip
 
 
+def _compute_seconds(
+    counts: StepCounts, spec: LayoutSpec, cluster: ClusterSpec, dtype: str,
+    terms: dict[str, float], *, compile: bool, float8: bool,
+) -> dict[str, float]:  # fmt: skip
+    """Seconds by phase of one stage's compute for one microbatch (the fake step ran the whole
+    model: a stage's share is 1/pp of it): FLOPs at their rates, memory-bound bytes at the
+    memory bandwidth, each op's host overhead; each term added to ``terms``."""
+    dev = cluster.device
+    per_stage = 1.0 / spec.pp
+    # ranks sharing one host's cores (a CPU, ClusterSpec.shared_cores) compute at a share of
+    # the device's rates; 1.0 with a GPU per rank
+    ranks = min(spec.dp * spec.pp * spec.tp * spec.cp, cluster.gpus_per_node)
+    share = cluster.rank_share(ranks)
+    compute: dict[str, float] = {}
+
+    def add(phase: str, term: str, seconds: float) -> None:
+        compute[phase] = compute.get(phase, 0.0) + seconds
+        terms[term] = terms.get(term, 0.0) + seconds
+
+    generic = dict(counts.flops)
+    if not float8:  # a measured shape's rate, where the device has one (DeviceSpec.op_tflops)
+        for (phase, kind), s in _measured_seconds(counts, cluster, ranks, generic).items():
+            add(phase, f"{kind} ({phase})", s * per_stage)
+    for (phase, kind), flops in generic.items():
+        rate = dev.achievable_tflops(kind, "fp8" if float8 and kind == "matmul" else dtype)
+        add(phase, f"{kind} ({phase})", flops / (rate * 1e12) * per_stage / share)
+    shards = spec.dp * spec.cp if spec.target in ("fsdp", "deepspeed") else 1
+    for phase, nbytes in counts.memory_bytes.items():
+        scale = per_stage
+        if phase == "optimizer":
+            scale /= shards  # the optimizer steps this rank's shard only
+        elif compile:
+            scale *= COMPILE_MEMORY_TRAFFIC
+        bandwidth = dev.hbm_gbps * 1e9 * dev.efficiency["memory"]
+        add(phase, f"memory-bound ({phase})", nbytes * scale / bandwidth / share)
+    if dev.op_overhead_us > 0:  # each op's dispatch, on the host that computes (a CPU)
+        host = cluster.host_slowdown(ranks)  # a rank's one-thread host work, cores short
+        for phase, ops in counts.ops.items():
+            scale = per_stage * (COMPILE_MEMORY_TRAFFIC if compile and phase != "optimizer" else 1)
+            add(phase, f"op overhead ({phase})", ops * scale * dev.op_overhead_us * 1e-6 * host)
+    return compute
+
+
+def _step_collective_seconds(
+    counts: StepCounts, spec: LayoutSpec, cluster: ClusterSpec, terms: dict[str, float]
+) -> float:
+    """Seconds of the collectives the fake step ran (tensor and context parallel), all exposed:
+    one stage's share of the model's, per microbatch; each added to ``terms``."""
+    eff = cluster.device.efficiency["collective"]
+    per_stage = 1.0 / spec.pp
+    microbatches = spec.num_microbatches if spec.pp > 1 else 1
+    exposed = 0.0
+    for (phase, name, size), sent in counts.collectives.items():
+        span = size if size == spec.tp else size * spec.tp  # a cp group strides over tp ranks
+        link = cluster.link_for(span)
+        calls = counts.collective_calls.get((phase, name, size), 1) * per_stage
+        s = link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1))
+        exposed += s * microbatches
+        key = f"{name} x{size} ({phase})"
+        terms[key] = terms.get(key, 0.0) + s * microbatches
+    return exposed
+
+
+def _data_parallel_seconds(
+    model: nn.Module, spec: LayoutSpec, cluster: ClusterSpec, dtype: str,
+    reduce_dtype: torch.dtype, fwd: float, bwd: float, terms: dict[str, float],
+    hidden: dict[str, float],
+) -> float:  # fmt: skip
+    """Exposed seconds of the data-parallel engine's collectives (they do not run in the fake
+    step: they follow from the parameters), overlapped with the forward (``fwd``) and backward
+    (``bwd``) as the engine overlaps them; the compute beside them slowed by the device's
+    ``overlap_slowdown``. What ran hidden goes to ``hidden``."""
+    dp_group = spec.dp * spec.cp
+    if dp_group <= 1 or spec.target not in ("fsdp", "ddp", "deepspeed"):
+        return 0.0
+    dev = cluster.device
+    local = {id(p): p for p in model.parameters()}.values()
+    n_params = sum(p.numel() for p in local) / spec.pp
+    link = cluster.link_for(dp_group * spec.pp * spec.tp)
+    if spec.target == "fsdp":
+        exposed, overlapped = _fsdp_seconds(
+            model, spec, cluster, link, n_params, dtype, reduce_dtype, fwd, bwd, terms, hidden
+        )  # fmt: skip
+    else:
+        ring = (dp_group - 1) / dp_group
+        eff = dev.efficiency["collective"]
+        ar = link.seconds(2 * n_params * 4 * ring, efficiency=eff, messages=2 * (dp_group - 1))
+        last = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, n_params * 4))
+        exposed = last + max(0.0, ar - last - bwd)
+        terms["ddp all-reduce (exposed)"] = exposed
+        hidden["ddp all-reduce"] = ar
+        overlapped = min(ar - last, bwd)
+    if overlapped > 0 and dev.overlap_slowdown > 0:
+        terms["compute slowed by overlapped collectives"] = overlapped * dev.overlap_slowdown
+        exposed += terms["compute slowed by overlapped collectives"]
+    return exposed
+
+
+def _fsdp_seconds(
+    model: nn.Module, spec: LayoutSpec, cluster: ClusterSpec, link: Any, n_params: float,
+    dtype: str, reduce_dtype: torch.dtype, fwd: float, bwd: float, terms: dict[str, float],
+    hidden: dict[str, float],
+) -> tuple[float, float]:  # fmt: skip
+    """(exposed, overlapped) seconds of FSDP2's all-gathers (forward and again in backward) and
+    reduce-scatters: it prefetches the next unit's gather during the current one's compute, so
+    only the first unit's gather, the last unit's reduce-scatter and what exceeds the compute
+    of its phase are exposed."""
+    dev = cluster.device
+    dp_group = spec.dp * spec.cp
+    ring = (dp_group - 1) / dp_group
+    eff = dev.efficiency["collective"]
+    units = max(1, _units(model) // spec.pp)
+    gather_bytes = n_params * (2 if dtype in ("bf16", "fp16") else 4) * ring
+    grad_bytes = n_params * torch.empty((), dtype=reduce_dtype).element_size() * ring
+    # a calibrated unit (DeviceSpec.engine_overhead_us) holds its collectives' latency
+    unit_us = dev.engine_overhead_us.get("fsdp_unit", 0.0)
+    messages = 0 if unit_us else units * (dp_group - 1)
+    ag = link.seconds(gather_bytes, efficiency=eff, messages=messages)
+    rs = link.seconds(grad_bytes, efficiency=eff, messages=messages)
+    first, last = ag / units, rs / units  # they run alone
+    gather = first + max(0.0, (ag - first) - fwd)
+    scatter = last + max(0.0, (ag - first) + (rs - last) - bwd)
+    terms["fsdp all-gather (exposed)"] = gather
+    terms["fsdp reduce-scatter (exposed)"] = scatter
+    exposed = gather + scatter
+    if unit_us:  # FSDP2's own host work per unit: serial with the compute (a CPU)
+        ranks = min(spec.dp * spec.pp * spec.tp * spec.cp, cluster.gpus_per_node)
+        terms["fsdp hooks, copies, latency"] = units * unit_us * 1e-6 * cluster.host_slowdown(ranks)
+        exposed += terms["fsdp hooks, copies, latency"]
+    hidden["fsdp all-gather x2"] = 2 * ag
+    hidden["fsdp reduce-scatter"] = rs
+    return exposed, min(ag - first, fwd) + min((ag - first) + (rs - last), bwd)
+
+
 def time_step(
     counts: StepCounts,
     est: MemoryEstimate,
@@ -639,135 +773,43 @@ def time_step(
     dtype = _compute_dtype(spec.precision)
     if dtype == "tf32" and "tf32" not in dev.peak_tflops:  # a CPU: float32 at its fp32 rate
         dtype = "fp32"
-    target, dp, pp, tp, cp = spec.target, spec.dp, spec.pp, spec.tp, spec.cp
-    num_microbatches = spec.num_microbatches
-    shards = dp * cp if target in ("fsdp", "deepspeed") else 1
-
-    # --- compute: seconds by phase (the fake step ran one microbatch of the whole model when
-    # pp > 1: one stage's slot is 1/pp of it)
-    per_stage = 1.0 / pp
-    # ranks sharing one host's cores (a CPU, ClusterSpec.shared_cores) compute at a share of
-    # the device's rates; 1.0 with a GPU per rank
-    ranks = min(dp * pp * tp * cp, cluster.gpus_per_node)
-    share = cluster.rank_share(ranks)
-    host = cluster.host_slowdown(ranks)  # each rank's one-thread host work, when cores are short
-    compute: dict[str, float] = {}
+    pp, m = spec.pp, spec.num_microbatches
     terms: dict[str, float] = {}
-    generic = dict(counts.flops)
-    if not float8:  # a measured shape's rate, where the device has one (DeviceSpec.op_tflops)
-        for (phase, kind), s in _measured_seconds(counts, cluster, ranks, generic).items():
-            compute[phase] = compute.get(phase, 0.0) + s * per_stage
-            terms[f"{kind} ({phase})"] = s * per_stage
-    for (phase, kind), flops in generic.items():
-        rate = dev.achievable_tflops(kind, "fp8" if float8 and kind == "matmul" else dtype)
-        s = flops / (rate * 1e12) * per_stage / share
-        compute[phase] = compute.get(phase, 0.0) + s
-        terms[f"{kind} ({phase})"] = terms.get(f"{kind} ({phase})", 0.0) + s
-    for phase, nbytes in counts.memory_bytes.items():
-        scale = per_stage
-        if phase == "optimizer":
-            scale /= shards  # the optimizer steps this rank's shard only
-        elif compile:
-            scale *= COMPILE_MEMORY_TRAFFIC
-        s = nbytes * scale / (dev.hbm_gbps * 1e9 * dev.efficiency["memory"]) / share
-        compute[phase] = compute.get(phase, 0.0) + s
-        terms[f"memory-bound ({phase})"] = s
-    if dev.op_overhead_us > 0:  # each op's dispatch, on the host that computes (a CPU)
-        for phase, ops in counts.ops.items():
-            scale = per_stage * (COMPILE_MEMORY_TRAFFIC if compile and phase != "optimizer" else 1)
-            s = ops * scale * dev.op_overhead_us * 1e-6 * host
-            compute[phase] = compute.get(phase, 0.0) + s
-            terms[f"op overhead ({phase})"] = s
-    slots = num_microbatches + pp - 1 if pp > 1 else 1
+    compute = _compute_seconds(counts, spec, cluster, dtype, terms, compile=compile, float8=float8)
+    # a pipeline runs m + pp - 1 microbatch slots of one stage (its bubble: pp - 1 of them)
+    slots = m + pp - 1 if pp > 1 else 1
     fwd, bwd = compute.get("forward", 0.0) * slots, compute.get("backward", 0.0) * slots
     opt = compute.get("optimizer", 0.0)
     if pp > 1:
         for key in list(terms):
             if "optimizer" not in key:
-                terms[key] *= num_microbatches
+                terms[key] *= m
         terms["pipeline bubble"] = (fwd + bwd) * (pp - 1) / slots
-
-    # --- collectives the fake step ran (tp, cp), exposed
-    eff = dev.efficiency["collective"]
-    exposed = 0.0
-    for (phase, name, size), sent in counts.collectives.items():
-        span = size if size == tp else size * tp  # a cp group strides over tp ranks
-        link = cluster.link_for(span)
-        # one stage's share of the model's collectives, per microbatch
-        calls = counts.collective_calls.get((phase, name, size), 1) * per_stage
-        s = link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1)) * (
-            num_microbatches if pp > 1 else 1
-        )
-        exposed += s
-        terms[f"{name} x{size} ({phase})"] = terms.get(f"{name} x{size} ({phase})", 0.0) + s
-
-    # --- the data-parallel engine's collectives, overlapped as the engine overlaps them; the
-    # compute they overlap runs slower by the device's overlap_slowdown
-    dp_group = dp * cp
-    local = {id(p): p for p in model.parameters()}.values()
-    n_params = sum(p.numel() for p in local) / pp
+    exposed = _step_collective_seconds(counts, spec, cluster, terms)
     hidden: dict[str, float] = {}
-    if dp_group > 1 and target in ("fsdp", "ddp", "deepspeed"):
-        link = cluster.link_for(dp_group * pp * tp)
-        ring = (dp_group - 1) / dp_group
-        if target == "fsdp":
-            units = max(1, _units(model) // pp)
-            gather_bytes = n_params * (2 if dtype in ("bf16", "fp16") else 4) * ring
-            grad_bytes = n_params * torch.empty((), dtype=reduce_dtype).element_size() * ring
-            # a calibrated unit (DeviceSpec.engine_overhead_us) holds its collectives' latency
-            unit_us = dev.engine_overhead_us.get("fsdp_unit", 0.0)
-            messages = 0 if unit_us else units * (dp_group - 1)
-            ag = link.seconds(gather_bytes, efficiency=eff, messages=messages)
-            rs = link.seconds(grad_bytes, efficiency=eff, messages=messages)
-            # the first unit's gather and the last unit's reduce-scatter run alone
-            first, last = ag / units, rs / units
-            exposed_dp = first + last
-            exposed_dp += max(0.0, (ag - first) - fwd) + max(0.0, (ag - first) + (rs - last) - bwd)
-            if unit_us:  # FSDP2's own host work per unit: serial with the compute (a CPU)
-                hooks = units * unit_us * 1e-6 * host
-                exposed_dp += hooks
-                terms["fsdp hooks, copies, latency"] = hooks
-            terms["fsdp all-gather (exposed)"] = first + max(0.0, (ag - first) - fwd)
-            terms["fsdp reduce-scatter (exposed)"] = (
-                exposed_dp
-                - terms["fsdp all-gather (exposed)"]
-                - terms.get("fsdp hooks, copies, latency", 0)
-            )
-            hidden["fsdp all-gather x2"] = 2 * ag
-            hidden["fsdp reduce-scatter"] = rs
-            overlapped = min(ag - first, fwd) + min((ag - first) + (rs - last), bwd)
-        else:
-            grad_bytes = 2 * n_params * 4 * ring
-            ar = link.seconds(grad_bytes, efficiency=eff, messages=2 * (dp_group - 1))
-            last = ar * min(1.0, DDP_BUCKET_BYTES / max(1.0, n_params * 4))
-            exposed_dp = last + max(0.0, ar - last - bwd)
-            terms["ddp all-reduce (exposed)"] = exposed_dp
-            hidden["ddp all-reduce"] = ar
-            overlapped = min(ar - last, bwd)
-        exposed += exposed_dp
-        if overlapped > 0 and dev.overlap_slowdown > 0:
-            slowdown = overlapped * dev.overlap_slowdown
-            terms["compute slowed by overlapped collectives"] = slowdown
-            exposed += slowdown
+    exposed += _data_parallel_seconds(
+        model, spec, cluster, dtype, reduce_dtype, fwd, bwd, terms, hidden
+    )  # fmt: skip
     if pp > 1:  # one boundary activation each way per microbatch (the batch's tokens x hidden)
         width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
-        act = tokens / num_microbatches * width * (2 if dtype in ("bf16", "fp16") else 4)
-        link = cluster.link_for(pp * cp * tp)
-        sends = 2 * slots * link.seconds(act, efficiency=eff)
-        exposed += sends
-        terms["pipeline sends"] = sends
+        act = tokens / m * width * (2 if dtype in ("bf16", "fp16") else 4)
+        link = cluster.link_for(pp * spec.cp * spec.tp)
+        terms["pipeline sends"] = (
+            2 * slots * link.seconds(act, efficiency=dev.efficiency["collective"])
+        )
+        exposed += terms["pipeline sends"]
 
     seconds = fwd + bwd + opt + exposed
-    world = dp * pp * tp * cp
-    if target == "roundpipe":
+    world = spec.dp * pp * spec.tp * spec.cp
+    if spec.target == "roundpipe":
         seconds, world = _roundpipe_seconds(fwd + bwd, model, spec, cluster, dtype, terms)
-    tokens_per_gpu = tokens * dp * cp / world / seconds
+    tokens_per_gpu = tokens * spec.dp * spec.cp / world / seconds
     # the whole model's FLOPs (a tensor-parallel rank's module holds shards: its config does not)
     flops_per_token = model_flops_per_token(getattr(model, "config", None) or model, seq_len)
     mfu = tokens_per_gpu * flops_per_token / (dev.peak_tflops[dtype] * 1e12)
 
     reserved = est.reserved
-    if target == "roundpipe":  # the host holds the model; a device its streamed stages
+    if spec.target == "roundpipe":  # the host holds the model; a device its streamed stages
         reserved = reserved_bytes(est.device_resident or 0, 0)
     memory_terms = {
         "params": est.params, "grads": est.grads, "optimizer_state": est.optimizer_state,
