@@ -92,6 +92,7 @@ class Primitive:
         ...     @staticmethod
         ...     def apply(sch):
         ...         print("hello", label(sch.path))
+        >>> del PRIMITIVES["hello_doc"]  # unregistered again: this was only an example
     """
 
     name: ClassVar[str] = ""

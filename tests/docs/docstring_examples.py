@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("slapo", "roundpipe")
@@ -42,8 +43,7 @@ NOT_COLLECTED: dict[str, str] = {
 _NOT_YET_FIXED = "examples use names they do not define or print stale output (issue 38)"
 DEFERRED: dict[str, str] = {
     **dict.fromkeys(
-        [
-        ],
+        [],
         _NOT_YET_FIXED,
     ),
 }
@@ -125,6 +125,8 @@ def _isolated(tmp_dir: Path) -> Iterator[None]:
     threads = torch.get_num_threads()
     rng = torch.get_rng_state()
     environ = dict(os.environ)
+    registries = _registries()
+    before = {name: set(table) for name, table in registries.items()}
     os.chdir(tmp_dir)
     # examples that start a world of one (slapo.env.setup) rendezvous here, not on 29500
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -132,14 +134,37 @@ def _isolated(tmp_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.chdir(cwd)
-        if not had_group and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()  # an example's world of one must not leak into others
+        if not had_group:
+            import slapo.env
+
+            # an example's world of one must not leak into others, nor what slapo.env.setup
+            # saved to put back (a later setup/teardown would restore this module's port)
+            slapo.env.teardown()
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
         torch.set_num_threads(threads)
         torch.set_rng_state(rng)
         os.environ.clear()
         os.environ.update(environ)
+    leaked = {name: sorted(set(table) - before[name]) for name, table in registries.items()}
+    leaked = {name: keys for name, keys in leaked.items() if keys}
+    if leaked:  # a registration outlives its example: later tests would see it
+        raise AssertionError(f"examples left registered: {leaked}; unregister them in the example")
+
+
+def _registries() -> dict[str, Any]:
+    """The process-wide registries an example may add to (what it adds must not outlive it)."""
+    from slapo.model_schedule import schedule_registry
+    from slapo.model_schedule.tp_styles import REGISTRY
+    from slapo.schedule import PRIMITIVES
+    from slapo.targets import target_registry
+
+    return {
+        "slapo.schedule.PRIMITIVES": PRIMITIVES,
+        "slapo.targets.target_registry._TARGETS": target_registry._TARGETS,
+        "slapo.model_schedule.tp_styles.REGISTRY": REGISTRY,
+        "slapo.model_schedule.schedule_registry._SCHEDULES": schedule_registry._SCHEDULES,
+    }
 
 
 def run_module(module, tmp_dir: Path) -> tuple[int, str]:

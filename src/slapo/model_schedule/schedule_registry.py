@@ -49,6 +49,7 @@ def register_schedule(
         >>> @register_schedule("my_llama", unsupported={"fuse_ops": "nothing to fuse"})
         ... def my_llama(sch, knobs):
         ...     helpers.checkpoint_blocks(sch, helpers.blocks(sch, "model.layers"), knobs.ckpt_ratio)
+        >>> del _SCHEDULES["my_llama"]  # unregistered again: this was only an example
     """
     if not model_types or not all(isinstance(t, str) and t for t in model_types):
         raise SlapoError("register_schedule needs one or more model_type strings, e.g. 'llama'")

@@ -79,6 +79,7 @@ def register_target(name: str, **facts: Any) -> Callable[[Builder], Builder]:
         >>> @register_target("my_target")
         ... def build_mine(sch, **options):
         ...     return sch.mod, None
+        >>> del _TARGETS["my_target"]  # unregistered again: this was only an example
     """
 
     def decorator(builder: Builder) -> Builder:
