@@ -29,37 +29,37 @@ fails; it asserts nothing about timings. About two minutes on 2 cores.
     .venv/bin/python benchmarks/plan_step_time.py [--steps 24] [--device-file cpu.json]
         [--layouts eager,ddp,fsdp,pipeline,dp2-pp2-tp2] [--json out.json]
 
-Measured here (2 vCPUs, AMD EPYC, torch 2.13, the machine otherwise idle; 28 November 2026),
-before (the stop-42 model, ratios from its own idle run that day) and after this model's host
-terms (both ratios of one idle run each):
+Measured here (2 vCPUs, AMD EPYC, torch 2.13, the machine otherwise idle; 28 November 2026):
+the stop-43 model (its own idle run that day) and this model, two idle runs (pred/meas each):
 
-    layout       procs measured  predicted before  pred/meas before  predicted  pred/meas
-    eager            1    0.038             0.033              0.83      0.038       0.99
-    ddp              2    0.103             0.082              0.75      0.077       0.75
-    fsdp             2    0.138             0.084              0.59      0.091       0.66
-    pipeline         2    0.098             0.062              0.62      0.059       0.60
-    dp2-pp2-tp2      8    0.356             0.194              0.49      0.199       0.56
+    layout       procs  measured (run 1, 2)   stop 43  run 1  run 2
+    eager            1   0.044  0.038           0.99   1.15   1.19
+    ddp              2   0.100  0.100           0.75   1.03   1.02
+    fsdp             2   0.131  0.135           0.66   0.92   0.89
+    pipeline         2   0.091  0.095           0.60   0.94   0.89
+    dp2-pp2-tp2      8   0.366  0.336           0.56   0.81   0.83
 
-What the model now has, each measured here and none fitted to these runs: the rate of every GEMM
-and attention kernel at its own shape and operand layout and at the ranks' thread count
-(``calibrate_shapes``: the tiny model's 128-wide GEMMs run at 60-80% of a 2048-wide one's rate,
-its 32-wide attention heads at a third); each op's host cost measured on a 16-wide Llama's
-training step (3.6-4 us, not a bare multiply's 2.7); FSDP2's cost per unit with its collectives'
-latency (2.7-5.3 ms on gloo: 14 ms of this step); host work stretched when eight processes share
-two cores (``ClusterSpec.host_slowdown``). eager is within 25%; ddp at the edge; the others are
-still predicted 35-45% short. What the model still leaves out (named, not corrected by a factor):
+Every host term is measured here and none is fitted to these runs:
 
-* the uncompiled layouts' host work beyond the per-op cost: ``slapo train``'s selective
-  checkpointing runs every op of a checkpointed block through a Python dispatch mode (about 11
-  us more per op, 550 ops a step), and the pipelining runtime's per-action Python; one process of
-  the uncompiled main job at one thread takes 0.087 s where the model says 0.072;
-* DDP's own cost beyond its all-reduce (hooks, bucket copies, gloo's threads on the computing
-  cores): plain DDP of the same model at one thread costs 8 ms over no DDP, slapo's ddp 16 ms;
-* eight processes on two cores: a tensor-parallel all-reduce inside the step waits for peers the
-  scheduler has not run;
-* the other processes on these cores when the machine is shared: the calibrations take the best
-  rate of several (``best_of``); on a loaded machine (load 5-10) the ratios moved 2-4x between
-  runs.
+* the rate of every GEMM and attention kernel at its own shape and operand layout, at the ranks'
+  thread count, its operands cold (``calibrate_shapes``; the uncompiled step's GEMMs ran 4%
+  slower than predicted cold, 10% faster than repeated hot);
+* each op's host cost, measured on a 16-wide Llama's training step (3.6-4 us);
+* a selective checkpoint's dispatch, uncompiled: every op of a ``save_matmuls`` block passes
+  through torch's caching and replaying Python modes, 10-14 us more per op (about 580 ops a
+  step: 7 ms). The fake step counts those ops from the Python frames above its counter;
+* FSDP2's cost per unit with its collectives' latency (3-6 ms on gloo), and a pipeline's per
+  microbatch (torch.distributed.pipelining's actions and sends: 0.3-0.6 ms);
+* each tensor-parallel all-reduce at its own size, issued after compute as a step issues it
+  (``calibrate_collectives``): a 256 KiB all-reduce takes 1.3-1.8 ms so, 0.4 ms back to back,
+  which is what the link fitted to a tight loop says;
+* eight processes on two cores take turns: the step is at least every rank's busy time (all but
+  the bubble) over the cores (``ClusterSpec.time_shared``); on the real run the eight ranks
+  used 1.9 of the 2 cores (0.76 CPU-seconds per 0.40 s step).
+
+What still moves the figures: the other processes on these cores, and this host's memory
+bandwidth, which measures 45-50 or 78-85 GB/s from one calibration to the next (the median of
+the calibrations is taken). On a loaded machine (load 5-10) the ratios moved 2-4x between runs.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from slapo.plan.calibrate import calibrate_device, calibrate_shapes
+from slapo.plan.calibrate import calibrate_collectives, calibrate_device, calibrate_shapes
 from slapo.plan.hardware import ClusterSpec, DeviceSpec, Link, load_device, save_device
 from slapo.plan.search import predict_config
 from slapo.plan.step_time import StepPrediction
@@ -122,7 +122,8 @@ def model_directory(cfg: TrainConfig, root: Path) -> Path:
 def best_of(runs: list[DeviceSpec]) -> DeviceSpec:
     """The fastest rate of each kind over ``runs`` (calibrations of one host): other processes
     on these cores only ever slow a measurement (an op on all the cores waits for its slowest
-    thread, so one busy core can halve it), so the best of a few is the host's own rate."""
+    thread, so one busy core can halve it), so the best of a few is the host's own rate. The
+    memory bandwidth is their median: it comes out high now and then (85 GB/s among 45-50)."""
     fp32 = max(r.peak_tflops["fp32"] for r in runs)
     attention = max(r.achievable_tflops("attention", "fp32") for r in runs)
     link = Link(max(r.intra_node.gbps for r in runs), min(r.intra_node.latency_us for r in runs))
@@ -134,7 +135,7 @@ def best_of(runs: list[DeviceSpec]) -> DeviceSpec:
         op_overhead_us=min(r.op_overhead_us for r in runs),
         engine_overhead_us=engine,
         peak_tflops={dt: max(r.peak_tflops[dt] for r in runs) for dt in best.peak_tflops},
-        hbm_gbps=max(r.hbm_gbps for r in runs),
+        hbm_gbps=statistics.median(r.hbm_gbps for r in runs),
         efficiency={**best.efficiency, "attention": min(1.0, round(attention / fp32, 4))},
         intra_node=link,
         source=f"best of {len(runs)} calibrations, each rate its own best; the first: "
@@ -152,30 +153,13 @@ def calibrate(quick: bool) -> DeviceSpec:
     return r
 
 
-#: The gloo link between ``processes`` ranks on this host, calibrated at that many processes
-#: (more processes than cores wait on each other's scheduling in every collective).
-LINKS: dict[int, Link] = {}
-
-
-def link_at(processes: int) -> Link:
-    """The collectives' link calibrated with ``processes`` gloo processes (cached)."""
-    if processes not in LINKS:
-        LINKS[processes] = calibrate_device(
-            "cpu", dtype="fp32", world=processes, quick=True
-        ).intra_node
-        print(f"gloo x{processes}: {LINKS[processes].gbps} GB/s, "
-              f"{LINKS[processes].latency_us} us", flush=True)  # fmt: skip
-    return LINKS[processes]
-
-
 def cluster_for(dev: DeviceSpec, processes: int) -> ClusterSpec:
     """This host running ``processes`` ranks on the cores ``dev`` was calibrated on: torchrun
-    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all;
-    collectives at the link measured between that many processes."""
+    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all.
+    The collectives at the link calibrated between two processes, a core each: more ranks than
+    cores take turns (``ClusterSpec.time_shared``), which the model adds itself."""
     cores = torch.get_num_threads()
     threads = cores if processes == 1 else int(os.environ.get("OMP_NUM_THREADS", "1"))
-    if processes > 2:
-        dev = dataclasses.replace(dev, intra_node=link_at(processes))
     return ClusterSpec(dev, gpus_per_node=processes, shared_cores=cores, threads_per_rank=threads)
 
 
@@ -193,12 +177,19 @@ def predict(cfg: TrainConfig, model_dir: Path, dev: DeviceSpec, processes: int) 
         SHAPE_RATES.update(
             calibrate_shapes(dev, missing, threads=cluster.threads_per_rank).op_tflops
         )
-    shaped = dataclasses.replace(cluster.device, op_tflops=dict(SHAPE_RATES))
+    calls = [k for k in first.counts["collective_keys"] if k not in CALL_TIMES]
+    if calls:
+        CALL_TIMES.update(calibrate_collectives(dev, calls).collective_us)
+    shaped = dataclasses.replace(
+        cluster.device, op_tflops=dict(SHAPE_RATES), collective_us=dict(CALL_TIMES)
+    )  # fmt: skip
     return predict_config(planned, dataclasses.replace(cluster, device=shaped), dp=dp)
 
 
 #: The op shapes measured so far (``DeviceSpec.op_tflops`` keys and rates), shared by layouts.
 SHAPE_RATES: dict[str, float] = {}
+#: The collective calls measured so far (``DeviceSpec.collective_us``), shared by layouts.
+CALL_TIMES: dict[str, float] = {}
 
 
 def measure(processes: int, flags: list[str], out: Path, steps: int) -> dict[str, float]:

@@ -16,7 +16,13 @@ import torch
 
 from slapo.exceptions import SlapoError
 from slapo.plan import PRESETS, calibrate_device, write_calibration
-from slapo.plan.calibrate import _attention_flops, _fit_link, _ring, calibrate_shapes
+from slapo.plan.calibrate import (
+    _attention_flops,
+    _fit_link,
+    _ring,
+    calibrate_collectives,
+    calibrate_shapes,
+)
 from slapo.plan.hardware import OP_KINDS, DeviceSpecError, Link, load_device
 from slapo.plan.step_time import StepCounter
 
@@ -54,9 +60,41 @@ def test_cpu_calibration_states_measured_rates(cpu_file) -> None:
     assert spec.source.startswith("calibrated on ")
     assert f"torch {torch.__version__}" in spec.source
     assert "gloo x2" in spec.source and "sdpa causal" in spec.source
-    # FSDP2's own work per unit, timed on the same two processes; a transformer's op overhead
+    # FSDP2's own work per unit and a pipeline's per microbatch, timed on the same two
+    # processes; a transformer's op overhead, and its selective checkpoint's per op
     assert spec.engine_overhead_us["fsdp_unit"] > 0 and "FSDP2" in spec.source
+    assert spec.engine_overhead_us["pipeline_microbatch"] > 0 and "1F1B" in spec.source
     assert spec.op_overhead_us > 0 and "per op" in spec.source
+    assert spec.engine_overhead_us["sac_op"] > 0 and "selective checkpoint" in spec.source
+
+
+@pytest.mark.distributed
+def test_collective_calls_are_timed_in_groups_of_their_size() -> None:
+    keys = ["all_reduce 8192B x2", "all_gather 4096B x2", "reduce_scatter 8192B x2"]
+    base = PRESETS["h200"]
+    spec = calibrate_collectives(base, keys, quick=True)
+    assert sorted(spec.collective_us) == sorted(keys)
+    assert all(us > 0 for us in spec.collective_us.values())
+    assert dataclasses.replace(spec, collective_us={}) == base  # nothing else changes
+
+
+@pytest.mark.parametrize(
+    "keys, named",
+    [
+        (["all_reduce 8192 x2"], "cannot read collective key"),
+        (["broadcast 8192B x2"], "cannot read collective key"),
+        (["all_reduce 8192B x1"], "cannot read collective key"),
+        (["all_reduce 8190B x2"], "cannot read collective key"),
+    ],
+)
+def test_bad_collective_keys_are_named(keys, named: str) -> None:
+    with pytest.raises(DeviceSpecError, match=named):
+        calibrate_collectives(PRESETS["h200"], keys)
+
+
+def test_a_world_that_splits_no_group_is_named() -> None:
+    with pytest.raises(DeviceSpecError, match="multiple of every group size"):
+        calibrate_collectives(PRESETS["h200"], ["all_reduce 64B x2"], world=3)
 
 
 def test_shapes_are_measured_at_the_ranks_thread_count() -> None:

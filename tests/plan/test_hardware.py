@@ -46,6 +46,7 @@ def test_preset_peaks_match_the_throughput_table(name: str, row: str) -> None:
         ("op_tflops", {"matmul fp32 8x8x8": 0}, "op_tflops.matmul fp32 8x8x8"),
         ("op_tflops", [1.0], "op_tflops"),
         ("engine_overhead_us", {"fsdp_unit": -1}, "engine_overhead_us.fsdp_unit"),
+        ("collective_us", {"all_reduce 64B x2": 0}, "collective_us.all_reduce 64B x2"),
     ],
 )  # fmt: skip
 def test_a_bad_field_is_named(tmp_path, field: str, value, named: str) -> None:
@@ -94,7 +95,8 @@ def test_a_file_written_before_host_links_still_loads(tmp_path) -> None:
 def test_measured_tables_round_trip(tmp_path) -> None:
     spec = dataclasses.replace(
         PRESETS["h200"], op_tflops={"matmul bf16 1024x384x128": 312.5},
-        engine_overhead_us={"fsdp_unit": 40.0},
+        engine_overhead_us={"fsdp_unit": 40.0, "sac_op": 11.0, "pipeline_microbatch": 400.0},
+        collective_us={"all_reduce 262144B x2": 1400.0},
     )  # fmt: skip
     assert load_device(save_device(spec, tmp_path / "d.json")) == spec
 
@@ -108,3 +110,18 @@ def test_ranks_sharing_cores_split_threads_and_host_work() -> None:
     assert both.thread_share(1) == 1.0 and both.rank_share(1) == 1.0
     gpus = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)  # a device per rank
     assert gpus.thread_share(8) == 1.0 and gpus.host_slowdown(8) == 1.0
+
+
+def test_ranks_beyond_the_cores_take_turns() -> None:
+    cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+    assert [cpu.oversubscription(n) for n in (1, 2, 8)] == [1.0, 1.0, 4.0]
+    two = dataclasses.replace(cpu, threads_per_rank=2)
+    assert two.oversubscription(1) == 1.0 and two.oversubscription(2) == 2.0
+    # each rank on cores of its own: a core's share, its host work at full speed
+    alone = dataclasses.replace(cpu, time_shared=False)
+    assert alone.rank_share(8) == cpu.rank_share(2) == 0.5
+    assert alone.thread_share(8) == 1.0 and alone.host_slowdown(8) == 1.0
+    gpus = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8)
+    assert gpus.oversubscription(8) == 1.0
+    with pytest.raises(DeviceSpecError, match="time_shared"):
+        ClusterSpec(PRESETS["h100-sxm"], time_shared="no")

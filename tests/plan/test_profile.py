@@ -17,7 +17,9 @@ import torch
 
 from slapo.memory import fake_layout_groups
 from slapo.plan.profile import (
+    DEPTHS,
     _fake_step,
+    _profiled_depths,
     _rank_groups,
     extend_to_depth,
     layer_list_path,
@@ -39,6 +41,8 @@ LAYOUTS = {
     ),
     "ddp tp2 fp32": (dict(target="ddp", precision="fp32", tp=2), 2),
     "fsdp cp2 bf16": (dict(target="fsdp", precision="bf16", cp=2), 2),
+    # half the blocks checkpointed: the layers differ, so the whole depth is profiled
+    "ddp half checkpointed fp32": (dict(target="ddp", precision="fp32", ckpt_ratio=0.5), 2),
 }
 
 
@@ -82,6 +86,24 @@ def test_extension_equals_the_whole_models_fake_step(small_llama: str, name: str
         for phase, nbytes in counts.memory_bytes.items():
             assert profile.counts.memory_bytes[phase] == pytest.approx(nbytes, rel=1e-6)
         assert profile.counts.collectives.keys() == counts.collectives.keys()
+        assert profile.counts.selective_ops == counts.selective_ops
+
+
+def test_some_blocks_checkpointed_profile_the_whole_depth(small_llama: str) -> None:
+    # ceil(0.5 x 4) = 2 of 4 blocks: two and three layers (1 and 2 checkpointed) cannot say
+    # one layer of each kind; all or none checkpointed can
+    cfg = _cfg(small_llama, ckpt_ratio=0.5)
+    assert _profiled_depths(cfg, 4) == (4,)
+    assert _profiled_depths(_cfg(small_llama, ckpt_ratio=1.0), 4) == DEPTHS
+    assert _profiled_depths(_cfg(small_llama, ckpt_ratio=0.0), 4) == DEPTHS
+    half = profile_config(cfg, layout_spec(cfg, 0, 1), {}, 4)
+    full = _cfg(small_llama, ckpt_ratio=1.0)
+    config = json.loads((Path(small_llama) / "config.json").read_text())
+    with shallow_configs(config) as shallow:
+        every = profile_config(full, layout_spec(full, 0, 1), shallow, 4)
+    # half the blocks pass through the checkpoint's mode
+    for phase, ops in every.counts.selective_ops.items():
+        assert half.counts.selective_ops[phase] == ops // 2
 
 
 def test_each_peak_is_extended_on_its_own(small_llama: str) -> None:

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from . import tune_predictor  # noqa: F401, E402  (registers slapo tune --predict for slapo train)
-from .calibrate import calibrate_device, write_calibration
+from .calibrate import calibrate_collectives, calibrate_device, calibrate_shapes, write_calibration
 from .hardware import (
     PRESETS,
     ClusterSpec,
@@ -30,7 +30,9 @@ __all__ = [
     "PlanError",
     "StepCounter",
     "StepPrediction",
+    "calibrate_collectives",
     "calibrate_device",
+    "calibrate_shapes",
     "load_device",
     "predict_step",
     "save_device",

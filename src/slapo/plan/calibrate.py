@@ -18,11 +18,21 @@
   stack of FSDP2 units too narrow to compute or move anything (16 wide) at two depths; the
   step's growth per unit is FSDP2's own host work and its three collectives' latency (measured
   together: a small message's latency alone is the noisiest figure here, and the engine pays
-  it inside its own waits).
+  it inside its own waits);
+* ``pipeline_microbatch`` (a CPU): the same processes, a stage each, run 1F1B steps of
+  ``torch.distributed.pipelining`` through stages too narrow to compute at two microbatch
+  counts; the growth per microbatch is the runtime's actions and sends (their latency);
+* the op overhead and ``sac_op`` (a CPU): a 16-wide Llama's training step per op, and what the
+  same step under a selective checkpoint (``save_matmuls``, uncompiled) costs beyond it per
+  op the checkpoint's Python dispatch mode passes on.
 
 :func:`calibrate_shapes` then measures the matmuls and attention kernels of one model at their
 own shapes (the keys :func:`slapo.plan.step_time.shape_key` gives; a CPU's at the thread count
-its ranks run with): a transformer 128 wide multiplies far below a 2048-wide GEMM's rate.
+its ranks run with; the caches flushed before each call, as a step's operands come from
+memory): a transformer 128 wide multiplies far below a 2048-wide GEMM's rate.
+:func:`calibrate_collectives` times a model's collective calls at their sizes
+(:func:`slapo.plan.step_time.collective_key`), each after a burst of compute, as a step issues
+them.
 
 Each time is the median of repeats after a warmup (CUDA events on a GPU). With a ``base`` (a
 datasheet preset) the peaks stay the datasheet's and each measurement becomes a fraction of them
@@ -46,9 +56,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import json
 import math
 import os
-import pickle
 import platform
 import socket
 import statistics
@@ -65,7 +75,7 @@ import torch
 
 from .hardware import DeviceSpec, DeviceSpecError, Link, save_device
 
-__all__ = ["calibrate_device", "calibrate_shapes", "write_calibration"]
+__all__ = ["calibrate_collectives", "calibrate_device", "calibrate_shapes", "write_calibration"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: Seconds the collective workers may take in all (start-up included) before they are killed.
@@ -108,15 +118,22 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def _median_seconds(
-    fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int
+    fn: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    before: Callable[[], Any] | None = None,
 ) -> float:
-    """Median wall seconds of ``fn`` after ``warmup`` calls (CUDA events on a GPU)."""
+    """Median wall seconds of ``fn`` after ``warmup`` calls (CUDA events on a GPU); ``before``
+    runs ahead of each call, untimed."""
     for _ in range(warmup):
         fn()
     times = []
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         for _ in range(repeats):
+            if before is not None:
+                before()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -125,10 +142,25 @@ def _median_seconds(
             times.append(start.elapsed_time(end) / 1e3)
     else:
         for _ in range(repeats):
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+#: Bytes written between the timed calls of a shape (:func:`calibrate_shapes`), more than the
+#: caches hold: in a training step an op's operands were made by other ops long before, so
+#: they come from memory, not from the cache a repeated call would find them in (the main
+#: job's GEMMs ran 8-10% slower in its step than repeated; ``do_bench`` flushes a GPU's L2 so).
+CACHE_FLUSH_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}
+
+
+def _cache_flusher(device: torch.device) -> Callable[[], Any]:
+    """A call that evicts the caches of ``device`` (writes :data:`CACHE_FLUSH_BYTES`)."""
+    buffer = torch.empty(CACHE_FLUSH_BYTES[device.type] // 4, device=device)
+    return buffer.zero_
 
 
 def _matmul_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> float:
@@ -165,28 +197,56 @@ def _attention_tflops(device: torch.device, dtype: torch.dtype, plan: _Plan) -> 
     return _attention_flops(b, h, s, d) / seconds / 1e12
 
 
-def _op_overhead_us(device: torch.device, plan: _Plan) -> float:
-    """Microseconds one op of a transformer's training step costs on the host beside its work
-    (Python module code, dispatch, autograd's record and its backward node, the optimizer's
-    loop): a Hugging Face Llama too narrow to compute anything (16 wide, 16 tokens) trains one
-    step with AdamW, on one thread (its ops are too small for more), per aten op
-    :class:`~slapo.plan.step_time.StepCounter` counts. Without transformers: a chain of
-    16-element multiplies and its backward (the dispatch alone, about half of it)."""
+def _host_overheads_us(device: torch.device, plan: _Plan) -> tuple[float, float]:
+    """Microseconds of host work (op overhead, selective checkpoint per op) on ``device``.
+
+    * op overhead: what one op of a transformer's training step costs on the host beside its
+      work (Python module code, dispatch, autograd's record and its backward node, the
+      optimizer's loop): a Hugging Face Llama too narrow to compute anything (16 wide, 16
+      tokens) trains one step with AdamW, on one thread (its ops are too small for more), per
+      aten op :class:`~slapo.plan.step_time.StepCounter` counts. Without transformers: a chain
+      of 16-element multiplies and its backward (the dispatch alone, about half of it);
+    * ``sac_op``: the same step with every block under a selective checkpoint
+      (``save_matmuls``, uncompiled): its time beyond its ops at the plain step's cost per op,
+      per op the checkpoint's dispatch mode passed on (``StepCounter.selective_ops``: torch's
+      caching and replaying modes are Python, about three times an op's own host cost).
+    """
     from .step_time import StepCounter
+
+    def per_op(policy: str | None) -> tuple[float, int, int]:
+        step = _tiny_transformer_step(device, policy) or _multiply_chain_step(device, policy)
+        with StepCounter() as counter:
+            step()
+        seconds = _median_seconds(step, device, plan.warmup + 1, plan.repeats)
+        return seconds, sum(counter.ops.values()), sum(counter.selective_ops.values())
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        step = _tiny_transformer_step(device) or _multiply_chain_step(device)
-        with StepCounter() as counter:
-            step()
-        seconds = _median_seconds(step, device, plan.warmup + 1, plan.repeats)
+        plain, plain_ops, _ = per_op(None)
+        selective, ops, through_mode = per_op("save_matmuls")
     finally:
         torch.set_num_threads(before)
-    return seconds / max(1, sum(counter.ops.values())) * 1e6
+    op_us = plain / max(1, plain_ops) * 1e6
+    sac_us = max(0.0, selective * 1e6 - ops * op_us) / max(1, through_mode)
+    return op_us, sac_us
 
 
-def _tiny_transformer_step(device: torch.device) -> Callable[[], None] | None:
+def _checkpointed(forward: Callable[..., Any], policy: str | None) -> Callable[..., Any]:
+    """``forward`` under a selective checkpoint of ``policy`` (itself where ``policy`` is None)."""
+    if policy is None:
+        return forward
+    from ..random import checkpoint
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, policy=policy, **kwargs)
+
+    return run
+
+
+def _tiny_transformer_step(
+    device: torch.device, policy: str | None = None
+) -> Callable[[], None] | None:
     try:
         import transformers
     except ImportError:
@@ -196,6 +256,8 @@ def _tiny_transformer_step(device: torch.device) -> Callable[[], None] | None:
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, use_cache=False,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).to(device).train()
+    for layer in model.model.layers:
+        layer.forward = _checkpointed(layer.forward, policy)
     optimizer = torch.optim.AdamW(model.parameters())
     ids = torch.arange(16, device=device).reshape(2, 8) % 64
 
@@ -207,14 +269,18 @@ def _tiny_transformer_step(device: torch.device) -> Callable[[], None] | None:
     return step
 
 
-def _multiply_chain_step(device: torch.device) -> Callable[[], None]:
+def _multiply_chain_step(device: torch.device, policy: str | None = None) -> Callable[[], None]:
     x = torch.ones(16, device=device, requires_grad=True)
 
-    def step() -> None:
-        y = x
+    def chain(y: torch.Tensor) -> torch.Tensor:
         for _ in range(100):
             y = y * 1.0001
-        y.sum().backward()
+        return y
+
+    run = _checkpointed(chain, policy)
+
+    def step() -> None:
+        run(x).sum().backward()
         x.grad = None
 
     return step
@@ -256,7 +322,7 @@ def _timed_collective(op: str, x: torch.Tensor, outs: list[torch.Tensor]) -> flo
 
 
 def _collective_worker(
-    rank: int, world: int, backend: str, port: int, plan: _Plan, out_dir: str
+    rank: int, world: int, port: int, backend: str, plan: _Plan, out_dir: str
 ) -> None:
     """One rank: time each op and message size; rank 0 writes the slowest rank's medians."""
     import torch.distributed as dist
@@ -279,15 +345,15 @@ def _collective_worker(
                     _timed_collective(op, x, outs)
                 times = [_timed_collective(op, x, outs) for _ in range(plan.repeats)]
                 medians.append(statistics.median(times))
-        if backend == "gloo":  # FSDP2's host work per unit (module doc); GPUs run ahead of it
+        if backend == "gloo":  # the engines' host work (module doc); GPUs run ahead of it
             medians.append(_fsdp_unit_seconds(plan))
+            medians.append(_pipeline_microbatch_seconds(plan))
         slowest = torch.tensor(medians, dtype=torch.float64, device=device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective ends when its last rank does
         result = {"ok": True, "seconds": slowest.tolist()}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    _write_result(out_dir, rank, result)
     try:
         slapo.env.teardown()
     except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
@@ -327,8 +393,62 @@ def _fsdp_unit_seconds(plan: _Plan) -> float:
     return max(0.0, (times[1] - times[0]) / (FSDP_DEPTHS[1] - FSDP_DEPTHS[0]))
 
 
-def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str, int], float]:
-    """``{(op, message bytes): seconds}`` timed by ``world`` spawned processes (never hangs)."""
+#: Microbatches of the two pipeline steps :func:`_pipeline_microbatch_seconds` times, per stage
+#: (1F1B needs at least a microbatch per stage).
+PIPELINE_MICROBATCHES = (1, 4)
+
+
+def _pipeline_microbatch_seconds(plan: _Plan) -> float:
+    """Seconds one microbatch adds to a pipeline's step (1F1B, ``torch.distributed.pipelining``,
+    a stage per rank of this group): the slope between steps of :data:`PIPELINE_MICROBATCHES`
+    microbatches per stage through stages too narrow to compute (one 16-wide ``Linear`` each). Each one
+    more is a slot more on the critical path: its forward and backward actions and the
+    sends and receives between them (their latency included)."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    times = []
+    for microbatches in (world * n for n in PIPELINE_MICROBATCHES):
+        module = torch.nn.Linear(FSDP_WIDTH, FSDP_WIDTH)
+        x = torch.ones(4 * microbatches, FSDP_WIDTH)
+        # the shapes given (no run-time inference); a stage past the first sends its input's
+        # gradient back, every stage's output has one
+        given = torch.empty(4, FSDP_WIDTH, device="meta").requires_grad_(rank > 0)
+        made = torch.empty(4, FSDP_WIDTH, device="meta").requires_grad_(True)
+        stage = PipelineStage(
+            module, rank, world, torch.device("cpu"), input_args=(given,), output_args=(made,)
+        )
+        schedule = Schedule1F1B(
+            stage, n_microbatches=microbatches, loss_fn=lambda out, _: out.sum()
+        )  # fmt: skip
+
+        def step(schedule: Any = schedule, x: Any = x, module: Any = module) -> None:
+            dist.barrier()  # the ranks start together (both steps pay it: the slope cancels it)
+            if rank == 0:
+                schedule.step(x)
+            elif rank == world - 1:
+                schedule.step(target=x)
+            else:
+                schedule.step()
+            module.zero_grad()
+
+        times.append(_median_seconds(step, torch.device("cpu"), plan.warmup + 2, plan.repeats))
+    extra = world * (PIPELINE_MICROBATCHES[1] - PIPELINE_MICROBATCHES[0])
+    return max(0.0, (times[1] - times[0]) / extra)
+
+
+def _write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
+    """A worker's result for the parent, as JSON (written whole, then renamed)."""
+    path = Path(out_dir) / f"rank{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(result))
+    path.with_suffix(".tmp").replace(path)
+
+
+def _run_workers(worker: Callable[..., None], world: int, *args: Any) -> list[dict[str, Any]]:
+    """Each rank's result of ``worker(rank, world, port, *args, out_dir)`` in ``world`` spawned
+    processes; killed past :data:`COLLECTIVE_DEADLINE_S` (never hangs). Raises
+    :class:`DeviceSpecError` naming the ranks that failed."""
     import torch.multiprocessing as mp
 
     from ..tune.launch import free_port
@@ -337,8 +457,7 @@ def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="slapo-calibrate-") as tmp:
         procs = [
-            ctx.Process(target=_collective_worker, args=(r, world, backend, port, plan, tmp))
-            for r in range(world)
+            ctx.Process(target=worker, args=(r, world, port, *args, tmp)) for r in range(world)
         ]
         for p in procs:
             p.start()
@@ -353,23 +472,28 @@ def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str
                 p.join()
                 errors.append(f"rank {rank}: still running after {COLLECTIVE_DEADLINE_S}s, killed")
                 continue
-            path = Path(tmp) / f"rank{rank}.pkl"
+            path = Path(tmp) / f"rank{rank}.json"
             if not path.exists():
                 errors.append(f"rank {rank}: exited with code {p.exitcode} and no result")
                 continue
-            res = pickle.loads(path.read_bytes())
+            res = json.loads(path.read_text())
             if not res["ok"]:
                 errors.append(f"rank {rank}:\n{res['error']}")
             results.append(res)
     if errors:
         raise DeviceSpecError(
-            f"calibrate_device: timing collectives on {world} {backend} processes failed; "
-            "fix the cause below, or pass world=1 with a base to keep its link:\n"
-            + "\n".join(errors)
+            f"calibrate: timing collectives on {world} processes failed; fix the cause below, "
+            "or pass world=1 with a base to keep its link:\n" + "\n".join(errors)
         )
+    return results
+
+
+def _collective_seconds(world: int, backend: str, plan: _Plan) -> dict[tuple[str, int], float]:
+    """``{(op, message bytes): seconds}`` timed by ``world`` spawned processes (never hangs)."""
+    results = _run_workers(_collective_worker, world, backend, plan)
     keys: list[Any] = [(op, nbytes) for op in _OPS for nbytes in plan.messages]
     if backend == "gloo":
-        keys.append(("fsdp_unit", 0))
+        keys += [("fsdp_unit", 0), ("pipeline_microbatch", 0)]
     return dict(zip(keys, results[0]["seconds"], strict=True))
 
 
@@ -533,12 +657,17 @@ def calibrate_device(
     attention = _attention_tflops(dev, _DTYPES[dtype], plan)
     memory = _memory_gbps(dev, _DTYPES[dtype], plan)
     # a CPU dispatches each op on the cores that compute; a GPU's launches overlap its kernels
-    overhead = _sig(_op_overhead_us(dev, plan)) if device == "cpu" else None
+    overhead = selective = None
+    if device == "cpu":
+        overhead, selective = (_sig(us) for us in _host_overheads_us(dev, plan))
     timed = _collective_seconds(world, backend, plan) if world > 1 else {}
     link = _fit_link(timed, world) if timed else None
     engine: dict[str, float] = {}
-    if ("fsdp_unit", 0) in timed:  # its collectives' latency included (DeviceSpec doc)
-        engine["fsdp_unit"] = _sig(timed[("fsdp_unit", 0)] * 1e6)
+    if selective is not None:
+        engine["sac_op"] = selective
+    for unit in ("fsdp_unit", "pipeline_microbatch"):  # latency included (DeviceSpec doc)
+        if (unit, 0) in timed:
+            engine[unit] = _sig(timed[(unit, 0)] * 1e6)
 
     if base is not None:
         peak = base.peak_tflops[dtype]
@@ -579,7 +708,10 @@ def calibrate_device(
         f"memory {_sig(memory)} GB/s (add of {plan.memory_elems} elements)",
     ]
     if overhead is not None:
-        measured.append(f"op overhead {overhead} us (a 16-wide Llama's training step, per op)")
+        measured.append(
+            f"op overhead {overhead} us (a 16-wide Llama's training step, per op), "
+            f"{selective} us more per op through a selective checkpoint (save_matmuls)"
+        )
     if link is not None:
         measured.append(
             f"collectives {link.gbps} GB/s, {link.latency_us} us ({backend} x{world}, "
@@ -587,10 +719,16 @@ def calibrate_device(
         )
     else:
         measured.append("collectives not timed (one process)")
-    if engine:
+    if "fsdp_unit" in engine:
         measured.append(
             f"FSDP2 {engine['fsdp_unit']} us per unit, its collectives' latency included "
             f"(stacks of {' and '.join(map(str, FSDP_DEPTHS))} units {FSDP_WIDTH} wide)"
+        )
+    if "pipeline_microbatch" in engine:
+        measured.append(
+            f"pipeline {engine['pipeline_microbatch']} us per microbatch, its sends' latency "
+            f"included (1F1B of {' and '.join(str(world * n) for n in PIPELINE_MICROBATCHES)} "
+            f"microbatches through {world} stages {FSDP_WIDTH} wide)"
         )
     source = (
         f"calibrated on {socket.gethostname()} ({hardware}, {torch.get_num_threads()} threads), "
@@ -663,7 +801,10 @@ def _shape_tflops(key: str, device: torch.device, plan: _Plan) -> float:
             return torch.randn(*batch, rows, cols, device=device, dtype=dtype)
 
         a, b = operand(m, k, way[0] == "t"), operand(k, n, way[1] == "t")
-        seconds = _median_seconds(lambda: torch.matmul(a, b), device, plan.warmup, plan.repeats)
+        flush = _cache_flusher(device)
+        seconds = _median_seconds(
+            lambda: torch.matmul(a, b), device, plan.warmup, plan.repeats, before=flush
+        )  # fmt: skip
         return 2 * math.prod(dims) / seconds / 1e12
     bh, s_q, s_k, d = dims
     q = torch.randn(1, bh, s_q, d, device=device, dtype=dtype, requires_grad=True)
@@ -680,12 +821,13 @@ def _shape_tflops(key: str, device: torch.device, plan: _Plan) -> float:
         q.grad = k.grad = v.grad = None
         forward().backward(grad)
 
+    flush = _cache_flusher(device)
     with torch.no_grad():
-        fwd = _median_seconds(forward, device, plan.warmup, plan.repeats)
+        fwd = _median_seconds(forward, device, plan.warmup, plan.repeats, before=flush)
     flops = 4 * bh * s_q * s_k * d // (2 if causal else 1)
     if way == "fwd":
         return flops / fwd / 1e12
-    bwd = max(1e-9, _median_seconds(both, device, plan.warmup, plan.repeats) - fwd)
+    bwd = max(1e-9, _median_seconds(both, device, plan.warmup, plan.repeats, before=flush) - fwd)
     return flops * 2.5 / bwd / 1e12
 
 
@@ -742,6 +884,167 @@ def calibrate_shapes(
     finally:
         torch.set_num_threads(before)
     return dataclasses.replace(spec, op_tflops=table)
+
+
+def _parse_collective(key: str) -> tuple[str, int, int]:
+    """(kind, bytes a rank contributes, group size) of a
+    :func:`~slapo.plan.step_time.collective_key`."""
+    words = key.split()
+    try:
+        kind, nbytes, group = words
+        ok = (
+            kind in ("all_reduce", "all_gather", "reduce_scatter")
+            and nbytes.endswith("B") and group.startswith("x")
+        )  # fmt: skip
+        size, ranks = int(nbytes[:-1]), int(group[1:])
+        ok = ok and size > 0 and ranks >= 2 and size % 4 == 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise DeviceSpecError(
+            f"calibrate_collectives: cannot read collective key {key!r}; keys are what "
+            "slapo.plan.step_time.collective_key gives, e.g. 'all_reduce 262144B x2'"
+        )
+    return kind, size, ranks
+
+
+def _collective_call(kind: str, x: torch.Tensor, group: Any, ranks: int) -> Callable[[], Any]:
+    import torch.distributed as dist
+
+    if kind == "all_reduce":
+        return functools.partial(dist.all_reduce, x, group=group)
+    # torch 2.13 names them *_single; the older names where those are missing
+    if kind == "all_gather":
+        out = x.new_empty(x.numel() * ranks)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return functools.partial(gather, out, x, group=group)
+    out = x.new_empty(x.numel() // ranks)
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return functools.partial(scatter, out, x, group=group)
+
+
+#: The compute each rank runs before each timed collective call (:func:`calibrate_collectives`):
+#: a GEMM of this size, about a millisecond on one CPU core.
+BURST_GEMM = 256
+
+
+def _collective_calls_worker(
+    rank: int, world: int, port: int, backend: str, keys: list[str], repeats: int, out_dir: str
+) -> None:
+    """One rank: each key's call, in groups of its size over consecutive ranks (all groups at
+    once), after a burst of compute; the slowest rank's mean seconds (rank 0 writes)."""
+    import torch.distributed as dist
+
+    import slapo.env
+
+    result: dict[str, Any]
+    try:
+        if backend == "gloo":
+            torch.set_num_threads(1)  # the ranks share this host's cores, as torchrun's do
+        slapo.env.setup(rank, world, backend, master_port=port, timeout=COLLECTIVE_TIMEOUT_S)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
+        device = device or torch.device("cpu")
+        burst = BURST_GEMM if device.type == "cpu" else 16 * BURST_GEMM
+        a = torch.randn(burst, burst, device=device)
+        groups: dict[int, Any] = {}
+        means = []
+        for key in keys:
+            kind, nbytes, ranks = _parse_collective(key)
+            if ranks not in groups:  # every rank makes every group (new_group's contract)
+                made = [dist.new_group(list(range(g, g + ranks))) for g in range(0, world, ranks)]
+                groups[ranks] = made[rank // ranks]
+            call = _collective_call(kind, torch.ones(nbytes // 4, device=device), groups[ranks],
+                                    ranks)  # fmt: skip
+            dist.barrier()  # the ranks start each key together; then compute, as a step does
+            times = []
+            for i in range(repeats + 2):
+                a @ a  # noqa: B018 - the compute a step runs before its collective
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                call()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if i >= 2:  # the first two warm the buffers
+                    times.append(time.perf_counter() - t0)
+            # the mean: a call's time is bimodal here (it waits on its peer's compute, or
+            # not), and a step pays the sum of its calls
+            means.append(statistics.fmean(times))
+        slowest = torch.tensor(means, dtype=torch.float64, device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        result = {"ok": True, "seconds": slowest.tolist()}
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        result = {"ok": False, "error": traceback.format_exc()}
+    _write_result(out_dir, rank, result)
+    try:
+        slapo.env.teardown()
+    except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
+        pass
+
+
+def calibrate_collectives(
+    spec: DeviceSpec,
+    keys: list[str] | tuple[str, ...],
+    *,
+    device: str = "cpu",
+    world: int | None = None,
+    quick: bool = False,
+) -> DeviceSpec:
+    """``spec`` with the time of each collective call in ``keys`` measured here, in its
+    ``collective_us``: processes on this host (gloo on the CPU, a GPU each with NCCL) run each
+    call in groups of its size, every call after a burst of compute as a step issues it. A
+    call issued after compute costs more than the same call back to back (on 2 CPU cores, a
+    256 KiB gloo all-reduce took 1.7 ms after a GEMM, 0.4 ms back to back), and a tight loop
+    of one size is what the link's fit (:func:`calibrate_device`) comes from.
+
+    Args:
+        spec: the device (from :func:`calibrate_device`, a preset or a file).
+        keys: collective keys (:func:`slapo.plan.step_time.collective_key`): a prediction's
+            ``counts["collective_keys"]``, or :meth:`StepCounts.collective_keys`.
+        device: ``"cpu"`` or ``"cuda"``.
+        world: processes (default: the largest group of ``keys``); a multiple of each group.
+        quick: fewer repeats.
+
+    Raises:
+        DeviceSpecError: a key that is not a collective key, a bad argument, or the processes
+            failed.
+
+    Example:
+        >>> # illustration: times the calls in 2 worker processes, seconds
+        >>> cpu = calibrate_device("cpu", quick=True)  # doctest: +SKIP
+        >>> cpu = calibrate_collectives(cpu, ["all_reduce 262144B x2"], quick=True)  # doctest: +SKIP
+        >>> sorted(cpu.collective_us)  # doctest: +SKIP
+        ['all_reduce 262144B x2']
+    """
+    if not isinstance(spec, DeviceSpec):
+        raise DeviceSpecError(f"calibrate_collectives: spec must be a DeviceSpec, got {spec!r}")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise DeviceSpecError(
+            f"calibrate_collectives: device must be 'cpu' or an available 'cuda', got {device!r}"
+        )
+    keys = list(keys)
+    sizes = [_parse_collective(k)[2] for k in keys]
+    if not keys:
+        return spec
+    world = world or max(sizes)
+    if isinstance(world, bool) or not isinstance(world, int) or any(world % g for g in sizes):
+        raise DeviceSpecError(
+            f"calibrate_collectives: world must be an int, a multiple of every group size "
+            f"{sorted(set(sizes))}, got {world!r}"
+        )
+    if device == "cuda" and world > torch.cuda.device_count():
+        raise DeviceSpecError(
+            f"calibrate_collectives: world={world} needs as many GPUs, this host has "
+            f"{torch.cuda.device_count()}"
+        )
+    backend = "nccl" if device == "cuda" else "gloo"
+    results = _run_workers(
+        _collective_calls_worker, world, backend, keys, 5 if quick else 40
+    )  # fmt: skip
+    table = dict(spec.collective_us)
+    for key, seconds in zip(keys, results[0]["seconds"], strict=True):
+        table[key] = _sig(seconds * 1e6)
+    return dataclasses.replace(spec, collective_us=table)
 
 
 def write_calibration(path: str | os.PathLike, **kwargs: Any) -> DeviceSpec:

@@ -130,8 +130,16 @@ class DeviceSpec:
         engine_overhead_us: time an engine adds per unit of its work at nothing to compute or
             move, where it adds to the step: ``fsdp_unit`` (FSDP2's hooks, copy-in/out and
             casts around one unit's two all-gathers and reduce-scatter, and their latency: the
-            model then charges those collectives their bytes only). Calibrated on a CPU; absent
-            for the GPU presets, whose host work runs ahead of the kernels.
+            model then charges those collectives their bytes only); ``pipeline_microbatch``
+            (``torch.distributed.pipelining``'s actions and sends of one microbatch slot, their
+            latency included: the sends are then charged their bytes only); ``sac_op`` (a
+            selective checkpoint's Python dispatch mode, per op it passes on, uncompiled).
+            Calibrated on a CPU; absent for the GPU presets, whose host work runs ahead of the
+            kernels.
+        collective_us: microseconds one collective call of a given kind, size and group takes
+            in a step (:func:`slapo.plan.calibrate.calibrate_collectives`: issued after
+            compute, as a step issues it), keyed by :func:`slapo.plan.step_time.
+            collective_key`'s strings: such a call costs that, not the link's figure.
         source: where the numbers come from.
 
     Example:
@@ -152,6 +160,7 @@ class DeviceSpec:
     host_link: Link = Link(32.0, 10.0)  # PCIe 4.0 x16 where a device says nothing else
     op_tflops: dict[str, float] = field(default_factory=dict)
     engine_overhead_us: dict[str, float] = field(default_factory=dict)
+    collective_us: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _check_device(dataclasses.asdict(self), where=f"DeviceSpec {self.name!r}")
@@ -174,7 +183,10 @@ class ClusterSpec:
     A CPU host runs its ranks (``gpus_per_node`` processes) on the ``shared_cores`` its device
     file was calibrated on, ``threads_per_rank`` threads each (torchrun starts each process with
     one): they compute at a share of the device's rates (:meth:`rank_share`). The default 0
-    gives every rank a device of its own.
+    gives every rank a device of its own. Where the ranks' threads outnumber the cores they
+    take turns (``time_shared``): :func:`slapo.plan.step_time.time_step` then predicts a
+    rank's path as if its threads had cores of their own (``time_shared=False``) and the step
+    as at least the node's ranks' work over its cores.
 
     Example:
         >>> c = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, inter_node_gbps=50.0)
@@ -190,8 +202,13 @@ class ClusterSpec:
     threads_per_rank: int = 1
     host_gbps: float = DEFAULT_HOST_GBPS
     host_gib: float = DEFAULT_HOST_GIB
+    time_shared: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.time_shared, bool):
+            raise DeviceSpecError(
+                f"ClusterSpec.time_shared must be True or False, got {self.time_shared!r}"
+            )
         for name in ("gpus_per_node", "threads_per_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -227,7 +244,29 @@ class ClusterSpec:
         """
         if self.shared_cores == 0:
             return 1.0
-        return min(self.threads_per_rank, self.shared_cores / max(1, ranks)) / self.shared_cores
+        ranks = self._computing(ranks)
+        return min(self.threads_per_rank, self.shared_cores / ranks) / self.shared_cores
+
+    def oversubscription(self, ranks: int) -> float:
+        """How many times the threads of ``ranks`` ranks outnumber the ``shared_cores`` (1.0
+        while they fit, or with a device per rank): the ranks then take turns on the cores.
+
+        Example:
+            >>> cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
+            >>> cpu.oversubscription(2), cpu.oversubscription(8)
+            (1.0, 4.0)
+        """
+        if self.shared_cores == 0:
+            return 1.0
+        return max(1.0, ranks * self.threads_per_rank / self.shared_cores)
+
+    def _computing(self, ranks: int) -> int:
+        """The ranks computing at once: all of them, but as many as the cores hold at most
+        where each has its threads' cores alone (``time_shared=False``)."""
+        ranks = max(1, ranks)
+        if not self.time_shared:
+            ranks = min(ranks, max(1, self.shared_cores // self.threads_per_rank))
+        return ranks
 
     def thread_share(self, ranks: int) -> float:
         """The share of its own ``threads_per_rank`` threads one of ``ranks`` ranks gets (1.0
@@ -241,7 +280,7 @@ class ClusterSpec:
         """
         if self.shared_cores == 0:
             return 1.0
-        cores = self.shared_cores / max(1, ranks)
+        cores = self.shared_cores / self._computing(ranks)
         return min(self.threads_per_rank, cores) / self.threads_per_rank
 
     def host_slowdown(self, ranks: int) -> float:
@@ -255,7 +294,7 @@ class ClusterSpec:
         """
         if self.shared_cores == 0:
             return 1.0
-        return max(1.0, ranks / self.shared_cores)
+        return max(1.0, self._computing(ranks) / self.shared_cores)
 
     def link_for(self, group_span: int) -> Link:
         """The slowest link a group spanning ``group_span`` consecutive ranks crosses: the
@@ -310,12 +349,12 @@ def _check_device(data: Any, where: str) -> None:
     slowdown = data.get("overlap_slowdown", DEFAULT_OVERLAP_SLOWDOWN)
     if _number(slowdown, f"{where}: field 'overlap_slowdown'", positive=False) > 1:
         raise DeviceSpecError(f"{where}: field 'overlap_slowdown' is a fraction <= 1")
-    for name in ("op_tflops", "engine_overhead_us"):
+    for name in ("op_tflops", "engine_overhead_us", "collective_us"):
         table = data.get(name, {})
         if not isinstance(table, dict):
             raise DeviceSpecError(f"{where}: field {name!r} must map names to numbers")
         for key, value in table.items():
-            _number(value, f"{where}: field '{name}.{key}'", positive=name == "op_tflops")
+            _number(value, f"{where}: field '{name}.{key}'", positive=name != "engine_overhead_us")
     for kind, value in eff.items():
         if _number(value, f"{where}: field 'efficiency.{kind}'") > 1:
             raise DeviceSpecError(

@@ -9,6 +9,10 @@ copies, nothing allocated; :data:`DEPTHS`), and extends every count linearly to 
 model's real parameters (built on the meta device in a fraction of a second). An 80-layer 70B
 model is profiled in about half a second per layout instead of six.
 
+Where only some blocks are checkpointed (``ckpt_ratio`` strictly between 0 and 1: the first
+``ceil(ratio x layers)``) the layers are of two kinds, which two shallow steps cannot tell
+apart: the fake step then runs at the whole depth (:func:`_profiled_depths`).
+
 What does not grow with depth stays exact (the embedding, the head and the loss's float32
 logits, FSDP's gathered root and two blocks: :func:`slapo.memory.apply_layout` counts those from
 the whole model). ``tests/plan/test_profile.py`` checks the extension against the fake step of
@@ -35,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -286,6 +291,18 @@ def _rank_groups(cfg: Any, spec: Any) -> Iterator[tuple[Any, dict[str, Any]]]:
         yield layout, groups
 
 
+def _profiled_depths(cfg: Any, layers: int) -> tuple[int, ...]:
+    """The depths whose fake steps give ``layers`` layers' step: :data:`DEPTHS`, extended; the
+    whole depth where only some blocks are checkpointed (``ckpt_ratio`` strictly between 0 and 1
+    checkpoints the first ``ceil(ratio x layers)``): then the layers differ, and two shallow
+    steps (each with its own first blocks checkpointed) cannot say one layer of each kind."""
+    from ..train.job_layout import schedule_knobs
+
+    ratio = schedule_knobs(cfg).get("ckpt_ratio") or 0.0
+    mixed = 0 < math.ceil(ratio * layers) < layers
+    return (layers,) if mixed else DEPTHS
+
+
 def _fake_step(cfg: Any, spec: Any, optimizer: tuple[Any, dict[str, Any]]) -> tuple[Any, Any]:
     from ..train.run_memory import estimate_placement, estimated_schedule
 
@@ -340,9 +357,10 @@ def profile_config(
     cache = {} if cache is None else cache
     optimizer = (torch.optim.AdamW, {"lr": cfg.lr})
     micro = cfg.batch_size // spec.num_microbatches if spec.pp > 1 else cfg.batch_size
+    depths = _profiled_depths(cfg, layers)
     step_key = (
         "step", cfg.tp, spec.cp, spec.ep, cfg.ckpt_ratio, cfg.ckpt_policy, cfg.compile_blocks,
-        micro, spec.pp > 1, spec.casts_module, spec.precision, cfg.seq_len,
+        micro, spec.pp > 1, spec.casts_module, spec.precision, cfg.seq_len, depths,
     )  # fmt: skip
     if step_key not in cache:
         # one microbatch's fake step is all a pipeline's layout_step runs: the same for any pp
@@ -350,8 +368,9 @@ def profile_config(
         if spec.pp > 1:  # the stages autocast (no engine casts their module)
             one_stage = dataclasses.replace(one_stage, target="eager", dp=1)
         steps = {}
-        for depth in DEPTHS:
-            shallow_cfg = dataclasses.replace(cfg, model=shallow[depth], pp=1, batch_size=micro)
+        for depth in depths:
+            model = shallow[depth] if depth in shallow else cfg.model
+            shallow_cfg = dataclasses.replace(cfg, model=model, pp=1, batch_size=micro)
             steps[depth] = _fake_step(shallow_cfg, one_stage, optimizer)
         cache[step_key] = steps
     steps = cache[step_key]
@@ -370,7 +389,7 @@ def profile_config(
     if spec.target == "roundpipe":
         cuts = paths[:-1]
     d1, d2 = DEPTHS
-    if layers in steps:  # as shallow as a profile's own step: that step
+    if layers in steps:  # as shallow as a profile's own step, or profiled whole: that step
         base, counts = steps[layers]
     else:
         base = extend_to_depth(steps[d1][0], steps[d2][0], layers, path)

@@ -33,6 +33,17 @@ pipeline of ``pp`` stages and ``m`` microbatches (GPipe, 1F1B) runs ``m + pp - 1
 slots of one stage (stages taken as balanced: the model's compute / ``pp``): the bubble is
 ``(pp-1)/(m+pp-1)`` of the step.
 
+Where the host computes (a CPU), the device's measured host terms add (each calibrated by
+:mod:`slapo.plan.calibrate`, absent for GPU presets): each op's dispatch
+(``op_overhead_us``); each op a selective checkpoint's Python dispatch mode passes on,
+uncompiled (``selective_ops``, counted from the Python frames above the counter: that mode is
+off the mode stack while it calls the op); FSDP2's work per unit and a pipeline's per slot
+(``engine_overhead_us``); a collective call of a measured size at its measured time
+(``collective_us``). Ranks whose threads outnumber the host's cores take turns on them
+(:attr:`ClusterSpec.time_shared`): a rank's path is predicted as if its threads had cores of
+their own, and the step is at least the node's ranks' busy time (all but the bubble) over the
+cores.
+
 ``compile=True`` models ``torch.compile`` of the blocks: memory-bound traffic of forward and
 backward is cut by :data:`COMPILE_MEMORY_TRAFFIC` (fusion) and activations by
 :data:`COMPILE_ACTIVATIONS` (the compiler saves less for backward).
@@ -57,6 +68,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +93,7 @@ __all__ = [
     "StepCounter",
     "StepCounts",
     "StepPrediction",
+    "collective_key",
     "predict_step",
     "shape_key",
     "time_step",
@@ -121,6 +136,41 @@ _FREE_OPS = {
     torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.detach,
 }  # fmt: skip
 PHASES = ("forward", "backward", "optimizer")
+
+
+def _selective_checkpoint_codes() -> frozenset[Any]:
+    """The code of the dispatch modes a selective checkpoint runs its region under (torch's
+    ``create_selective_checkpoint_contexts``: one caches in forward, one replays in the
+    recompute); empty where this torch has none."""
+    import torch.utils.checkpoint as ckpt
+
+    codes = set()
+    for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode"):
+        mode = getattr(ckpt, name, None)
+        if mode is not None:  # its __torch_dispatch__ is wrapped (dynamo disabled): unwrap
+            codes.add(inspect.unwrap(mode.__torch_dispatch__).__code__)
+    return frozenset(codes)
+
+
+_SELECTIVE_CHECKPOINT_CODES = _selective_checkpoint_codes()
+#: Where the walk up the Python stack stops: a module's call (the op came from its code, not
+#: from a mode between it and the counter), or this many frames.
+_MODULE_CALL_CODE = inspect.unwrap(nn.Module._call_impl).__code__
+_MAX_CALLER_FRAMES = 64
+
+
+def _under_selective_checkpoint() -> bool:
+    """Whether the op being counted was dispatched by a selective checkpoint's mode: that mode
+    is popped off the mode stack while it calls the op, so the stack cannot say; the Python
+    frames above the counter can (other modes, the memory estimator's, may sit between)."""
+    frame = sys._getframe(2)  # the counter's caller
+    for _ in range(_MAX_CALLER_FRAMES):
+        if frame is None or frame.f_code is _MODULE_CALL_CODE:
+            return False
+        if frame.f_code in _SELECTIVE_CHECKPOINT_CODES:
+            return True
+        frame = frame.f_back
+    return False
 
 
 class PlanError(SlapoError, ValueError):
@@ -205,8 +255,8 @@ def shape_key(func: Any, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, int]:
-    """(name, group size, bytes one rank sends) of a functional collective."""
+def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, int, int]:
+    """(name, group size, bytes one rank sends, bytes it contributes) of a collective."""
     import torch.distributed as dist
 
     name = func._overloadpacket.__name__
@@ -237,7 +287,27 @@ def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, i
         sent = (size - 1) * nbytes
     else:  # reduce_scatter, all_to_all, broadcast
         sent = (size - 1) * nbytes // size
-    return name, size, sent
+    return name, size, sent, nbytes
+
+
+_COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def collective_key(name: str, group_size: int, nbytes: int) -> str | None:
+    """A collective call as a readable key, what its seconds depend on (``None`` for kinds
+    not measured per call): ``"all_reduce 262144B x2"`` (the kind, the bytes a rank
+    contributes, the group size). :attr:`DeviceSpec.collective_us` holds measured times by
+    these keys; :func:`slapo.plan.calibrate.calibrate_collectives` measures them.
+
+    Example:
+        >>> collective_key("allreduce_", 2, 262144), collective_key("all_gather_into_tensor", 4, 64)
+        ('all_reduce 262144B x2', 'all_gather 64B x4')
+    """
+    plain = name.replace("_", "")
+    for kind in _COLLECTIVE_KINDS:
+        if kind.replace("_", "") in plain:
+            return f"{kind} {int(nbytes)}B x{int(group_size)}"
+    return None
 
 
 class StepCounter(TorchDispatchMode):
@@ -249,6 +319,12 @@ class StepCounter(TorchDispatchMode):
         collectives: ``{(phase, op name, group size): bytes sent per rank}``.
         shaped_flops: ``{(phase, shape key): FLOPs}`` of the matmuls and attention kernels
             (:func:`shape_key`): what a rate measured per shape applies to.
+        ops: ``{phase: ops}`` that make new data (each costs the host its dispatch).
+        collective_shapes: ``{(phase, op name, group size, collective key): calls}``
+            (:func:`collective_key`): what a time measured per call applies to.
+        selective_ops: ``{phase: ops}`` a selective checkpoint's dispatch mode passed on (views
+            too, not detaches), in forward and in the recompute: each also costs that Python mode's work
+            where the region runs uncompiled (``DeviceSpec.engine_overhead_us["sac_op"]``).
 
     Example:
         >>> import torch
@@ -274,6 +350,8 @@ class StepCounter(TorchDispatchMode):
         self.collective_calls: dict[tuple[str, str, int], int] = {}
         self.ops: dict[str, int] = {}
         self.shaped_flops: dict[tuple[str, str], int] = {}
+        self.selective_ops: dict[str, int] = {}
+        self.collective_shapes: dict[tuple[str, str, int, str], int] = {}
         self._seen_backward = False
 
     def _phase(self) -> str:
@@ -287,6 +365,14 @@ class StepCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         phase = self._phase()
+        # not prim ops (fake tensors query their device through them; a real step does not)
+        # nor detaches (memory accounting's hooks take one of each kept output in the fake step)
+        if (
+            _SELECTIVE_CHECKPOINT_CODES
+            and not (func.namespace in _FREE or packet in _FREE_OPS)
+            and _under_selective_checkpoint()
+        ):
+            self.selective_ops[phase] = self.selective_ops.get(phase, 0) + 1
         if not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
             self.ops[phase] = self.ops.get(phase, 0) + 1
         if packet in _MATMUL_PACKETS and packet in flop_registry:
@@ -298,10 +384,14 @@ class StepCounter(TorchDispatchMode):
             self.flops[(phase, "attention")] = self.flops.get((phase, "attention"), 0) + n
             self._shaped(phase, func, args, kwargs, n)
         elif func.namespace in ("_c10d_functional", "c10d_functional", "c10d"):
-            name, size, sent = _collective_bytes(func, args, kwargs)
+            name, size, sent, nbytes = _collective_bytes(func, args, kwargs)
             key = (phase, name, size)
             self.collectives[key] = self.collectives.get(key, 0) + sent
             self.collective_calls[key] = self.collective_calls.get(key, 0) + 1
+            call = collective_key(name, size, nbytes)
+            if call is not None:
+                shaped = (phase, name, size, call)
+                self.collective_shapes[shaped] = self.collective_shapes.get(shaped, 0) + 1
         elif not (func.is_view or func.namespace in _FREE or packet in _FREE_OPS):
             n = _nbytes(args) + _nbytes(kwargs) + _nbytes(out)
             self.memory_bytes[phase] = self.memory_bytes.get(phase, 0) + n
@@ -349,18 +439,26 @@ class StepCounts:
     collective_calls: dict[tuple[str, str, int], int] = field(default_factory=dict)
     ops: dict[str, int] = field(default_factory=dict)
     shaped_flops: dict[tuple[str, str], int] = field(default_factory=dict)
+    selective_ops: dict[str, int] = field(default_factory=dict)
+    collective_shapes: dict[tuple[str, str, int, str], int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, counter: StepCounter) -> StepCounts:
         return cls(
             dict(counter.flops), dict(counter.memory_bytes), dict(counter.collectives),
             dict(counter.collective_calls), dict(counter.ops), dict(counter.shaped_flops),
+            dict(counter.selective_ops), dict(counter.collective_shapes),
         )  # fmt: skip
 
     def shapes(self) -> list[str]:
         """The distinct shape keys of the matmuls and attention kernels (what
         :func:`slapo.plan.calibrate.calibrate_shapes` measures), sorted."""
         return sorted({key for _, key in self.shaped_flops})
+
+    def collective_keys(self) -> list[str]:
+        """The distinct collective calls (:func:`collective_key`; what
+        :func:`slapo.plan.calibrate.calibrate_collectives` measures), sorted."""
+        return sorted({key for *_, key in self.collective_shapes})
 
     @staticmethod
     def combine(*weighted: tuple[StepCounts, float]) -> StepCounts:
@@ -375,7 +473,7 @@ class StepCounts:
 
         return StepCounts(
             mix("flops"), mix("memory_bytes"), mix("collectives"), mix("collective_calls"),
-            mix("ops"), mix("shaped_flops"),
+            mix("ops"), mix("shaped_flops"), mix("selective_ops"), mix("collective_shapes"),
         )  # fmt: skip
 
 
@@ -627,6 +725,12 @@ def _compute_seconds(
         for phase, ops in counts.ops.items():
             scale = per_stage * (COMPILE_MEMORY_TRAFFIC if compile and phase != "optimizer" else 1)
             add(phase, f"op overhead ({phase})", ops * scale * dev.op_overhead_us * 1e-6 * host)
+    sac_us = dev.engine_overhead_us.get("sac_op", 0.0)
+    if sac_us and not compile:  # compiled, the partitioner applies the policy: no Python mode
+        host = cluster.host_slowdown(ranks)
+        for phase, ops in counts.selective_ops.items():
+            seconds = ops * per_stage * sac_us * 1e-6 * host
+            add(phase, f"selective checkpoint dispatch ({phase})", seconds)
     return compute
 
 
@@ -639,11 +743,21 @@ def _step_collective_seconds(
     per_stage = 1.0 / spec.pp
     microbatches = spec.num_microbatches if spec.pp > 1 else 1
     exposed = 0.0
+    measured = cluster.device.collective_us
     for (phase, name, size), sent in counts.collectives.items():
         span = size if size == spec.tp else size * spec.tp  # a cp group strides over tp ranks
         link = cluster.link_for(span)
         calls = counts.collective_calls.get((phase, name, size), 1) * per_stage
-        s = link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1))
+        # calls of a measured size at their time (DeviceSpec.collective_us), the rest on the link
+        timed = {
+            key: n for (ph, nm, sz, key), n in counts.collective_shapes.items()
+            if (ph, nm, sz) == (phase, name, size) and key in measured
+        }  # fmt: skip
+        s = sum(n * per_stage * measured[key] * 1e-6 for key, n in timed.items())
+        if timed:
+            share = 1 - sum(timed.values()) * per_stage / max(calls, 1e-12)
+            sent, calls = sent * max(0.0, share), calls * max(0.0, share)
+        s += link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1))
         exposed += s * microbatches
         key = f"{name} x{size} ({phase})"
         terms[key] = terms.get(key, 0.0) + s * microbatches
@@ -769,6 +883,44 @@ def time_step(
         True
     """
     _check_cluster(cluster)
+    args = (counts, est, model, tokens, seq_len, spec)
+    options: dict[str, Any] = {"compile": compile, "reduce_dtype": reduce_dtype, "float8": float8}
+    ranks = min(spec.dp * spec.pp * spec.tp * spec.cp, cluster.gpus_per_node)
+    turns = cluster.oversubscription(ranks) if cluster.time_shared else 1.0
+    if turns <= 1.0:
+        return _time_rank(*args, cluster, **options)
+    # more threads than cores: each rank's path as if it had its cores alone, and the step at
+    # least all the node's ranks' work over the cores (they take turns: one rank's idle time,
+    # its pipeline bubble, is another's turn)
+    alone = _time_rank(*args, dataclasses.replace(cluster, time_shared=False), **options)
+    busy = alone.seconds - alone.time_terms.get("pipeline bubble", 0.0)
+    shared = busy * turns
+    if shared <= alone.seconds:
+        return alone
+    scale = alone.seconds / shared
+    terms = {**alone.time_terms, f"{ranks} ranks taking turns on the cores": shared - alone.seconds}
+    return dataclasses.replace(
+        alone, seconds=shared, tokens_per_s_per_gpu=alone.tokens_per_s_per_gpu * scale,
+        mfu=alone.mfu * scale, time_terms=terms,
+    )  # fmt: skip
+
+
+def _time_rank(
+    counts: StepCounts,
+    est: MemoryEstimate,
+    model: nn.Module,
+    tokens: int,
+    seq_len: int,
+    spec: LayoutSpec,
+    cluster: ClusterSpec,
+    *,
+    compile: bool,
+    reduce_dtype: torch.dtype,
+    float8: bool,
+) -> StepPrediction:
+    """:func:`time_step` of one rank on ``cluster`` as it is (its cores shared as
+    :meth:`ClusterSpec.rank_share` says)."""
+    _check_cluster(cluster)
     dev = cluster.device
     dtype = _compute_dtype(spec.precision)
     if dtype == "tf32" and "tf32" not in dev.peak_tflops:  # a CPU: float32 at its fp32 rate
@@ -794,10 +946,19 @@ def time_step(
         width = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
         act = tokens / m * width * (2 if dtype in ("bf16", "fp16") else 4)
         link = cluster.link_for(pp * spec.cp * spec.tp)
-        terms["pipeline sends"] = (
-            2 * slots * link.seconds(act, efficiency=dev.efficiency["collective"])
+        # a calibrated slot (DeviceSpec.engine_overhead_us) holds the sends' latency
+        slot_us = dev.engine_overhead_us.get("pipeline_microbatch", 0.0)
+        send = link.seconds(
+            act, efficiency=dev.efficiency["collective"], messages=0 if slot_us else 1
         )
+        terms["pipeline sends"] = 2 * slots * send
         exposed += terms["pipeline sends"]
+        if slot_us:  # the runtime's own host work per slot: serial with the compute (a CPU)
+            ranks = min(spec.dp * pp * spec.tp * spec.cp, cluster.gpus_per_node)
+            terms["pipeline actions, sends' latency"] = (
+                slots * slot_us * 1e-6 * cluster.host_slowdown(ranks)
+            )
+            exposed += terms["pipeline actions, sends' latency"]
 
     seconds = fwd + bwd + opt + exposed
     world = spec.dp * pp * spec.tp * spec.cp
@@ -822,7 +983,9 @@ def time_step(
     counts_dict = {
         "flops": dict(counts.flops), "memory_bytes": dict(counts.memory_bytes),
         "collectives": dict(counts.collectives), "hidden_collective_seconds": hidden,
-        "shapes": counts.shapes(),
+        "shapes": counts.shapes(), "ops": dict(counts.ops),
+        "selective_ops": dict(counts.selective_ops),
+        "collective_keys": counts.collective_keys(),
     }  # fmt: skip
     return StepPrediction(
         seconds=seconds, tokens_per_s_per_gpu=tokens_per_gpu, mfu=mfu, memory_bytes=reserved,
