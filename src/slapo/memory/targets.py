@@ -840,15 +840,14 @@ def estimate_layout(
         >>> fsdp = slapo.estimate_layout(sch, batch, target="fsdp", dp=8, precision="bf16")
         >>> fsdp.precision, list(fsdp.engine_parts)
         ('bf16', ['fsdp gathered parameters'])
-        >>> # illustration: a context-parallel layout (not run here: its fake step does not
-        >>> # yet see the model's context-parallel attention as prepared)
+        >>> # a context-parallel layout: one rank of cp 2, its part of each sequence
+        >>> import slapo.memory
         >>> from slapo.sharding.context_parallel import context_parallel
         >>> cp_model = transformers.LlamaForCausalLM(config)
-        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:  # doctest: +SKIP
-        ...     # one rank of cp 2
+        >>> with slapo.memory.fake_layout_groups(cp=2) as groups:
         ...     local = context_parallel(cp_model, groups["cp"]).model_batch(batch)
         ...     est = slapo.estimate_layout(cp_model, local, target="ddp", dp=2, cp=2)
-        >>> est.layout  # doctest: +SKIP
+        >>> est.layout
         {'dp': 2, 'pp': 1, 'tp': 1, 'cp': 2}
     """
     spec = LayoutSpec(

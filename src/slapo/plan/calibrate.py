@@ -913,14 +913,11 @@ def _collective_call(kind: str, x: torch.Tensor, group: Any, ranks: int) -> Call
 
     if kind == "all_reduce":
         return functools.partial(dist.all_reduce, x, group=group)
-    # torch 2.13 names them *_single; the older names where those are missing
+    from ..sharding.collectives import gather_into, scatter_into
+
     if kind == "all_gather":
-        out = x.new_empty(x.numel() * ranks)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return functools.partial(gather, out, x, group=group)
-    out = x.new_empty(x.numel() // ranks)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return functools.partial(scatter, out, x, group=group)
+        return functools.partial(gather_into, x.new_empty(x.numel() * ranks), x, group)
+    return functools.partial(scatter_into, x.new_empty(x.numel() // ranks), x, group)
 
 
 #: The compute each rank runs before each timed collective call (:func:`calibrate_collectives`):

@@ -39,7 +39,9 @@ __all__ = [
     "reduce_scatter",
     "scatter",
     "count_collectives",
+    "gather_into",
     "run_collective",
+    "scatter_into",
 ]
 
 _COUNTERS: list[Counter] = []
@@ -98,6 +100,42 @@ def run_collective(op: str, group: dist.ProcessGroup | None, fn: Callable[[], An
         ) from err
 
 
+def gather_into(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
+    """``out`` = every rank's ``x``, concatenated along dim 0, over ``group``: torch's
+    ``all_gather_single`` (2.13), or ``all_gather_into_tensor`` where it is missing (older
+    torch; 2.13 deprecates that name).
+
+    Example:
+        >>> import slapo.env
+        >>> env = slapo.env.setup()  # a world of one here
+        >>> x = torch.ones(2)
+        >>> out = torch.empty(2)
+        >>> gather_into(out, x)
+        >>> out
+        tensor([1., 1.])
+        >>> slapo.env.teardown()
+    """
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
+def scatter_into(out: torch.Tensor, x: torch.Tensor, group: Any = None) -> None:
+    """``out`` = this rank's slice (along dim 0) of ``x`` summed over ``group``: torch's
+    ``reduce_scatter_single`` (2.13), or ``reduce_scatter_tensor`` where it is missing.
+
+    Example:
+        >>> import slapo.env
+        >>> env = slapo.env.setup()  # a world of one here
+        >>> out = torch.empty(2)
+        >>> scatter_into(out, torch.ones(2))
+        >>> out
+        tensor([1., 1.])
+        >>> slapo.env.teardown()
+    """
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, x, group=group)
+
+
 def _global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else -1
 
@@ -125,9 +163,7 @@ def _all_gather(
     front = t.movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
     _record(phase, "all_gather")
-    run_collective(
-        "all_gather", group, lambda: dist.all_gather_into_tensor(out, front, group=group)
-    )
+    run_collective("all_gather", group, lambda: gather_into(out, front, group))
     return out.movedim(0, dim).contiguous()
 
 
@@ -139,9 +175,7 @@ def _reduce_scatter(
     front = t.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     _record(phase, "reduce_scatter")
-    run_collective(
-        "reduce_scatter", group, lambda: dist.reduce_scatter_tensor(out, front, group=group)
-    )
+    run_collective("reduce_scatter", group, lambda: scatter_into(out, front, group))
     return out.movedim(0, dim).contiguous()
 
 
