@@ -7,12 +7,12 @@ pipeline (``--pp 2``) and dp2 x pp2 x tp2 (8 processes),
 1. the prediction: :func:`slapo.plan.search.predict_config` of the very ``TrainConfig`` the run
    uses (its model a config-only directory of the same model), on a ``ClusterSpec`` of this host:
    the device calibrated here (:func:`slapo.plan.calibrate.calibrate_device`, fp32), every rank
-   on the host's cores (``shared_cores``), one thread per torchrun process and all the cores for
-   the single process (``threads_per_rank``). The cores are shared with whatever else runs here,
-   and a calibration on all of them halves (or worse) when one core is busy elsewhere (an op on
-   two threads waits for its slowest one), so one calibration runs before each measured run and
-   each rate is the best of them (:func:`best_of`): the host's own rates. ``--device-file``
-   caches that device (read if it exists);
+   on the cores the device was calibrated on (``host_cores``), one thread per torchrun process
+   and all the cores for the single process (``ClusterSpec.threads``). The cores are shared
+   with whatever else runs here, and a calibration on all of them halves (or worse) when one
+   core is busy elsewhere (an op on two threads waits for its slowest one), so one calibration
+   runs before each measured run and each rate is the best of them (:func:`best_of`): the
+   host's own rates. ``--device-file`` caches that device (read if it exists);
 2. the measurement: the real ``slapo train`` (``torchrun --nproc-per-node N -m slapo train``
    beyond one process) for ``--steps`` steps; its seconds per step are the median of the steps
    after the first ``1 + MEMORY_SAMPLE_STEPS`` (the first compiles and warms up, the next ones
@@ -75,8 +75,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from slapo.plan.calibrate import calibrate_collectives, calibrate_device, calibrate_shapes
 from slapo.plan.hardware import ClusterSpec, DeviceSpec, Link, load_device, save_device
@@ -154,13 +152,15 @@ def calibrate(quick: bool) -> DeviceSpec:
 
 
 def cluster_for(dev: DeviceSpec, processes: int) -> ClusterSpec:
-    """This host running ``processes`` ranks on the cores ``dev`` was calibrated on: torchrun
-    gives each process ``OMP_NUM_THREADS`` threads (1 unless set), one process has them all.
+    """This host running ``processes`` ranks on the cores ``dev`` was calibrated on
+    (``host_cores``), as ``slapo plan --device-file`` describes it: torchrun gives each of
+    several processes one thread (``OMP_NUM_THREADS`` where set), a lone process has them all.
     The collectives at the link calibrated between two processes, a core each: more ranks than
     cores take turns (``ClusterSpec.time_shared``), which the model adds itself."""
-    cores = torch.get_num_threads()
-    threads = cores if processes == 1 else int(os.environ.get("OMP_NUM_THREADS", "1"))
-    return ClusterSpec(dev, gpus_per_node=processes, shared_cores=cores, threads_per_rank=threads)
+    threads = os.environ.get("OMP_NUM_THREADS") if processes > 1 else None
+    return ClusterSpec(
+        dev, gpus_per_node=processes, threads_per_rank=int(threads) if threads else None
+    )  # fmt: skip
 
 
 def predict(cfg: TrainConfig, model_dir: Path, dev: DeviceSpec, processes: int) -> StepPrediction:
@@ -171,12 +171,11 @@ def predict(cfg: TrainConfig, model_dir: Path, dev: DeviceSpec, processes: int) 
     planned = dataclasses.replace(cfg, model=str(model_dir))
     cluster = cluster_for(dev, processes)
     first = predict_config(planned, cluster, dp=dp)
-    suffix = f" @{cluster.threads_per_rank}t"
+    threads = cluster.threads(processes)
+    suffix = f" @{threads}t"
     missing = [k for k in first.counts["shapes"] if k + suffix not in SHAPE_RATES]
     if missing:
-        SHAPE_RATES.update(
-            calibrate_shapes(dev, missing, threads=cluster.threads_per_rank).op_tflops
-        )
+        SHAPE_RATES.update(calibrate_shapes(dev, missing, threads=threads).op_tflops)
     calls = [k for k in first.counts["collective_keys"] if k not in CALL_TIMES]
     if calls:
         CALL_TIMES.update(calibrate_collectives(dev, calls).collective_us)

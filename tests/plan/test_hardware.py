@@ -125,3 +125,25 @@ def test_ranks_beyond_the_cores_take_turns() -> None:
     assert gpus.oversubscription(8) == 1.0
     with pytest.raises(DeviceSpecError, match="time_shared"):
         ClusterSpec(PRESETS["h100-sxm"], time_shared="no")
+
+
+def test_a_cpu_device_file_shares_its_cores_by_default(tmp_path) -> None:
+    # a calibrated CPU's rates are those of the cores it ran on: a node's ranks share them,
+    # one thread each as torchrun starts them, all of them for a lone process
+    cpu = dataclasses.replace(PRESETS["h100-sxm"], host_cores=2)
+    assert load_device(save_device(cpu, tmp_path / "cpu.json")) == cpu
+    cluster = ClusterSpec(cpu, gpus_per_node=8)
+    assert cluster.shared_cores == 2
+    assert [cluster.threads(n) for n in (1, 2, 8)] == [2, 1, 1]
+    assert [cluster.rank_share(n) for n in (1, 2, 8)] == [1.0, 0.5, 0.125]
+    assert cluster.oversubscription(8) == 4.0
+    # said explicitly, as before
+    assert ClusterSpec(cpu, shared_cores=0).rank_share(8) == 1.0
+    assert ClusterSpec(cpu, threads_per_rank=1).threads(1) == 1
+    gpu = ClusterSpec(PRESETS["h100-sxm"])  # a GPU: host_cores 0, a device per rank
+    assert gpu.shared_cores == 0 and gpu.threads(1) == 1 and gpu.rank_share(8) == 1.0
+    data = dataclasses.asdict(cpu)
+    data["host_cores"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(DeviceSpecError, match="host_cores"):
+        load_device(tmp_path / "bad.json")

@@ -758,6 +758,7 @@ def calibrate_device(
         # a CPU's collectives run on threads that take the very cores computing: what overlaps
         # compute slows it by as much
         fields["overlap_slowdown"] = 1.0
+        fields["host_cores"] = torch.get_num_threads()  # the cores its rates are measured on
     # a base's fields this does not measure stay the base's; without one, the defaults
     return dataclasses.replace(base, **fields) if base is not None else DeviceSpec(**fields)
 

@@ -140,6 +140,9 @@ class DeviceSpec:
             in a step (:func:`slapo.plan.calibrate.calibrate_collectives`: issued after
             compute, as a step issues it), keyed by :func:`slapo.plan.step_time.
             collective_key`'s strings: such a call costs that, not the link's figure.
+        host_cores: the CPU cores a CPU device was calibrated on, whose rates are theirs
+            together (:func:`slapo.plan.calibrate.calibrate_device` writes it): the cores a
+            host's ranks then share (:attr:`ClusterSpec.shared_cores`). 0 for an accelerator.
         source: where the numbers come from.
 
     Example:
@@ -161,6 +164,7 @@ class DeviceSpec:
     op_tflops: dict[str, float] = field(default_factory=dict)
     engine_overhead_us: dict[str, float] = field(default_factory=dict)
     collective_us: dict[str, float] = field(default_factory=dict)
+    host_cores: int = 0
 
     def __post_init__(self) -> None:
         _check_device(dataclasses.asdict(self), where=f"DeviceSpec {self.name!r}")
@@ -181,9 +185,10 @@ class ClusterSpec:
     ``inter_node_gbps`` (GB/s per GPU and direction) with ``inter_node_latency_us``.
 
     A CPU host runs its ranks (``gpus_per_node`` processes) on the ``shared_cores`` its device
-    file was calibrated on, ``threads_per_rank`` threads each (torchrun starts each process with
-    one): they compute at a share of the device's rates (:meth:`rank_share`). The default 0
-    gives every rank a device of its own. Where the ranks' threads outnumber the cores they
+    file was calibrated on (by default the device's ``host_cores``: 0 for a GPU, every rank a
+    device of its own), ``threads_per_rank`` threads each (by default torchrun's: one per
+    process, all the cores for a lone one; :meth:`threads`): they compute at a share of the
+    device's rates (:meth:`rank_share`). Where the ranks' threads outnumber the cores they
     take turns (``time_shared``): :func:`slapo.plan.step_time.time_step` then predicts a
     rank's path as if its threads had cores of their own (``time_shared=False``) and the step
     as at least the node's ranks' work over its cores.
@@ -198,8 +203,8 @@ class ClusterSpec:
     gpus_per_node: int = 8
     inter_node_gbps: float = 50.0
     inter_node_latency_us: float = 10.0
-    shared_cores: int = 0
-    threads_per_rank: int = 1
+    shared_cores: int | None = None
+    threads_per_rank: int | None = None
     host_gbps: float = DEFAULT_HOST_GBPS
     host_gib: float = DEFAULT_HOST_GIB
     time_shared: bool = True
@@ -211,8 +216,12 @@ class ClusterSpec:
             )
         for name in ("gpus_per_node", "threads_per_rank"):
             value = getattr(self, name)
+            if value is None and name == "threads_per_rank":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise DeviceSpecError(f"ClusterSpec.{name} must be a positive int, got {value!r}")
+        if self.shared_cores is None:  # the cores the device was calibrated on (0: a GPU)
+            object.__setattr__(self, "shared_cores", getattr(self.device, "host_cores", 0))
         if (
             isinstance(self.shared_cores, bool)
             or not isinstance(self.shared_cores, int)
@@ -231,21 +240,35 @@ class ClusterSpec:
     def inter_node(self) -> Link:
         return Link(self.inter_node_gbps, self.inter_node_latency_us)
 
+    def threads(self, ranks: int) -> int:
+        """The threads each of ``ranks`` ranks on a node computes with: ``threads_per_rank``,
+        or by default torchrun's (``OMP_NUM_THREADS=1`` for each of several processes) and
+        torch's (all the ``shared_cores`` for a lone process; 1 on a GPU).
+
+        Example:
+            >>> cpu = ClusterSpec(dataclasses.replace(PRESETS["h100-sxm"], host_cores=2))
+            >>> cpu.shared_cores, cpu.threads(1), cpu.threads(2)
+            (2, 2, 1)
+        """
+        if self.threads_per_rank is not None:
+            return self.threads_per_rank
+        return max(1, self.shared_cores or 1) if ranks <= 1 else 1
+
     def rank_share(self, ranks: int) -> float:
         """The share of the device's rates one of ``ranks`` ranks computing at once on a node
         gets: 1.0 with a device per rank (``shared_cores`` 0, GPUs); on a host whose
-        ``shared_cores`` the device was calibrated on (a CPU), each rank's
-        ``threads_per_rank`` threads at most, the cores split evenly when there are more threads.
+        ``shared_cores`` the device was calibrated on (a CPU), each rank's :meth:`threads` at
+        most, the cores split evenly when there are more threads.
 
         Example:
             >>> cpu = ClusterSpec(PRESETS["h100-sxm"], gpus_per_node=8, shared_cores=2)
-            >>> cpu.rank_share(1), cpu.rank_share(2), cpu.rank_share(8)
-            (0.5, 0.5, 0.125)
+            >>> cpu.rank_share(1), cpu.rank_share(2), cpu.rank_share(8)  # one: both cores
+            (1.0, 0.5, 0.125)
         """
         if self.shared_cores == 0:
             return 1.0
-        ranks = self._computing(ranks)
-        return min(self.threads_per_rank, self.shared_cores / ranks) / self.shared_cores
+        computing = self._computing(ranks)
+        return min(self.threads(ranks), self.shared_cores / computing) / self.shared_cores
 
     def oversubscription(self, ranks: int) -> float:
         """How many times the threads of ``ranks`` ranks outnumber the ``shared_cores`` (1.0
@@ -258,14 +281,14 @@ class ClusterSpec:
         """
         if self.shared_cores == 0:
             return 1.0
-        return max(1.0, ranks * self.threads_per_rank / self.shared_cores)
+        return max(1.0, ranks * self.threads(ranks) / self.shared_cores)
 
     def _computing(self, ranks: int) -> int:
         """The ranks computing at once: all of them, but as many as the cores hold at most
         where each has its threads' cores alone (``time_shared=False``)."""
         ranks = max(1, ranks)
         if not self.time_shared:
-            ranks = min(ranks, max(1, self.shared_cores // self.threads_per_rank))
+            ranks = min(ranks, max(1, self.shared_cores // self.threads(ranks)))
         return ranks
 
     def thread_share(self, ranks: int) -> float:
@@ -281,7 +304,7 @@ class ClusterSpec:
         if self.shared_cores == 0:
             return 1.0
         cores = self.shared_cores / self._computing(ranks)
-        return min(self.threads_per_rank, cores) / self.threads_per_rank
+        return min(self.threads(ranks), cores) / self.threads(ranks)
 
     def host_slowdown(self, ranks: int) -> float:
         """How much longer one rank's host work (op dispatch, an engine's hooks: one thread)
@@ -346,6 +369,9 @@ def _check_device(data: Any, where: str) -> None:
     if not isinstance(eff, dict) or set(eff) != set(OP_KINDS):
         raise DeviceSpecError(f"{where}: field 'efficiency' must give each of {OP_KINDS}")
     _number(data.get("op_overhead_us", 0.0), f"{where}: field 'op_overhead_us'", positive=False)
+    cores = data.get("host_cores", 0)
+    if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
+        raise DeviceSpecError(f"{where}: field 'host_cores' must be an int >= 0, got {cores!r}")
     slowdown = data.get("overlap_slowdown", DEFAULT_OVERLAP_SLOWDOWN)
     if _number(slowdown, f"{where}: field 'overlap_slowdown'", positive=False) > 1:
         raise DeviceSpecError(f"{where}: field 'overlap_slowdown' is a fraction <= 1")

@@ -600,7 +600,7 @@ def _measured_seconds(
     table = cluster.device.op_tflops
     if not table:
         return {}
-    suffix = f" @{cluster.threads_per_rank}t" if cluster.shared_cores else ""
+    suffix = f" @{cluster.threads(ranks)}t" if cluster.shared_cores else ""
     scale = cluster.thread_share(ranks)
     seconds: dict[tuple[str, str], float] = {}
     for (phase, key), flops in counts.shaped_flops.items():
