@@ -353,11 +353,7 @@ def _collective_worker(
         result = {"ok": True, "seconds": slowest.tolist()}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": traceback.format_exc()}
-    _write_result(out_dir, rank, result)
-    try:
-        slapo.env.teardown()
-    except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
-        pass
+    _finish_worker(out_dir, rank, result)
 
 
 #: FSDP2 units of the two stacks :func:`_fsdp_unit_seconds` times, and their width.
@@ -443,6 +439,27 @@ def _write_result(out_dir: str, rank: int, result: dict[str, Any]) -> None:
     path = Path(out_dir) / f"rank{rank}.json"
     path.with_suffix(".tmp").write_text(json.dumps(result))
     path.with_suffix(".tmp").replace(path)
+
+
+def _finish_worker(out_dir: str, rank: int, result: dict[str, Any]) -> None:
+    """A worker's last act: its result for the parent, then its process group torn down."""
+    import slapo.env
+
+    _write_result(out_dir, rank, result)
+    try:
+        slapo.env.teardown()
+    except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
+        pass
+
+
+def _check_measured(caller: str, spec: Any, device: Any) -> None:
+    """The ``spec`` and ``device`` arguments of ``caller`` (``calibrate_shapes``, ...)."""
+    if not isinstance(spec, DeviceSpec):
+        raise DeviceSpecError(f"{caller}: spec must be a DeviceSpec, got {spec!r}")
+    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
+        raise DeviceSpecError(
+            f"{caller}: device must be 'cpu' or an available 'cuda', got {device!r}"
+        )
 
 
 def _run_workers(worker: Callable[..., None], world: int, *args: Any) -> list[dict[str, Any]]:
@@ -862,12 +879,7 @@ def calibrate_shapes(
         >>> sorted(cpu.op_tflops)  # doctest: +SKIP
         ['matmul fp32 1024x384x128 nt @1t']
     """
-    if not isinstance(spec, DeviceSpec):
-        raise DeviceSpecError(f"calibrate_shapes: spec must be a DeviceSpec, got {spec!r}")
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise DeviceSpecError(
-            f"calibrate_shapes: device must be 'cpu' or an available 'cuda', got {device!r}"
-        )
+    _check_measured("calibrate_shapes", spec, device)
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):  # fmt: skip
         raise DeviceSpecError(f"calibrate_shapes: threads must be an int >= 1, got {threads!r}")
@@ -973,11 +985,7 @@ def _collective_calls_worker(
         result = {"ok": True, "seconds": slowest.tolist()}
     except BaseException:  # noqa: BLE001 - reported to the parent
         result = {"ok": False, "error": traceback.format_exc()}
-    _write_result(out_dir, rank, result)
-    try:
-        slapo.env.teardown()
-    except Exception:  # noqa: BLE001, S110 - a group a failing peer already broke
-        pass
+    _finish_worker(out_dir, rank, result)
 
 
 def calibrate_collectives(
@@ -1014,12 +1022,7 @@ def calibrate_collectives(
         >>> sorted(cpu.collective_us)  # doctest: +SKIP
         ['all_reduce 262144B x2']
     """
-    if not isinstance(spec, DeviceSpec):
-        raise DeviceSpecError(f"calibrate_collectives: spec must be a DeviceSpec, got {spec!r}")
-    if device not in ("cpu", "cuda") or (device == "cuda" and not torch.cuda.is_available()):
-        raise DeviceSpecError(
-            f"calibrate_collectives: device must be 'cpu' or an available 'cuda', got {device!r}"
-        )
+    _check_measured("calibrate_collectives", spec, device)
     keys = list(keys)
     sizes = [_parse_collective(k)[2] for k in keys]
     if not keys:
