@@ -280,14 +280,17 @@ def _collective_bytes(func: Any, args: tuple, kwargs: dict) -> tuple[str, int, i
             data = value
             break
     nbytes = _nbytes(data)
+    return name, size, _ring_sent(name, size, nbytes), nbytes
+
+
+def _ring_sent(name: str, size: int, nbytes: int) -> int:
+    """Bytes one rank of a ring of ``size`` sends in collective ``name`` of ``nbytes`` each."""
     plain = name.replace("_", "")  # c10d's allreduce_, functional all_reduce, ...
     if "allreduce" in plain:
-        sent = 2 * (size - 1) * nbytes // size
-    elif "allgather" in plain:
-        sent = (size - 1) * nbytes
-    else:  # reduce_scatter, all_to_all, broadcast
-        sent = (size - 1) * nbytes // size
-    return name, size, sent, nbytes
+        return 2 * (size - 1) * nbytes // size
+    if "allgather" in plain:
+        return (size - 1) * nbytes
+    return (size - 1) * nbytes // size  # reduce_scatter, all_to_all, broadcast
 
 
 _COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -323,8 +326,8 @@ class StepCounter(TorchDispatchMode):
         collective_shapes: ``{(phase, op name, group size, collective key): calls}``
             (:func:`collective_key`): what a time measured per call applies to.
         selective_ops: ``{phase: ops}`` a selective checkpoint's dispatch mode passed on (views
-            too, not detaches), in forward and in the recompute: each also costs that Python mode's work
-            where the region runs uncompiled (``DeviceSpec.engine_overhead_us["sac_op"]``).
+            too, not detaches), in forward and in the recompute: each also costs that Python
+            mode's work where the region runs uncompiled (``engine_overhead_us["sac_op"]``).
 
     Example:
         >>> import torch
@@ -749,14 +752,13 @@ def _step_collective_seconds(
         link = cluster.link_for(span)
         calls = counts.collective_calls.get((phase, name, size), 1) * per_stage
         # calls of a measured size at their time (DeviceSpec.collective_us), the rest on the link
-        timed = {
-            key: n for (ph, nm, sz, key), n in counts.collective_shapes.items()
-            if (ph, nm, sz) == (phase, name, size) and key in measured
-        }  # fmt: skip
-        s = sum(n * per_stage * measured[key] * 1e-6 for key, n in timed.items())
-        if timed:
-            share = 1 - sum(timed.values()) * per_stage / max(calls, 1e-12)
-            sent, calls = sent * max(0.0, share), calls * max(0.0, share)
+        s = 0.0
+        for (ph, nm, sz, key), n in counts.collective_shapes.items():
+            if (ph, nm, sz) == (phase, name, size) and key in measured:
+                s += n * per_stage * measured[key] * 1e-6
+                sent -= n * _ring_sent(name, size, int(key.split()[1][:-1]))
+                calls -= n * per_stage
+        sent, calls = max(0, sent), max(0.0, calls)
         s += link.seconds(sent * per_stage, efficiency=eff, messages=calls * (size - 1))
         exposed += s * microbatches
         key = f"{name} x{size} ({phase})"
